@@ -1,0 +1,92 @@
+"""Critic-free advantage estimators.
+
+All group statistics use `torch.unique(..., return_inverse=True)` + `index_add`,
+so group ids may be arbitrary integers in any order and no Python loop runs over
+groups. Advantages are constants for the policy gradient, so outputs are detached.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ADVANTAGE_METHODS: tuple[str, ...] = ("grpo", "drgrpo", "rloo")
+_STD_EPS = 1e-6
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    x = x.detach()
+    return x if x.is_floating_point() else x.to(torch.get_default_dtype())
+
+
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, *, method: str) -> torch.Tensor:
+    """Per-response advantage `[B]` from its prompt group's rewards.
+
+    - grpo:   (r - mean) / (std + 1e-6), unbiased std as torch.std
+              (GRPO, DeepSeekMath, arXiv 2402.03300).
+    - drgrpo: r - mean, no std division: the std rescaling up-weights
+              near-deterministic prompts (Dr.GRPO, arXiv 2503.20783).
+    - rloo:   r_i - mean_{j != i} r_j, the leave-one-out baseline keeps the
+              estimator unbiased (Ahmadian et al., arXiv 2402.14740; Kool et al. 2019).
+    A group of one has no baseline to compare against: its advantage is 0.
+    """
+    if method not in ADVANTAGE_METHODS:
+        expected = ", ".join(ADVANTAGE_METHODS)
+        raise ValueError(f"unknown advantage method {method!r}; expected one of {expected}")
+    r = _float(rewards)
+    _, gid, counts = torch.unique(group, return_inverse=True, return_counts=True)
+    n = counts.to(r.dtype)[gid]  # size of each response's group, [B]
+    group_sum = torch.zeros(counts.numel(), dtype=r.dtype, device=r.device).index_add(0, gid, r)[gid]
+    centered = r - group_sum / n
+    if method == "drgrpo":
+        return centered
+    if method == "rloo":
+        loo_mean = (group_sum - r) / (n - 1).clamp(min=1)
+        return torch.where(n > 1, r - loo_mean, torch.zeros_like(r))
+    # grpo; for n == 1 centered is 0 and var is 0/1, so the result is 0, not NaN.
+    sq = torch.zeros(counts.numel(), dtype=r.dtype, device=r.device).index_add(0, gid, centered.square())[gid]
+    std = (sq / (n - 1).clamp(min=1)).sqrt()
+    return centered / (std + _STD_EPS)
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+) -> torch.Tensor:
+    """REINFORCE++ token advantages `[B, T]` (J. Hu, arXiv 2501.03262).
+
+    Token reward = -kl_coef * kl_t at every response token, plus the sequence
+    reward at its last response token; advantage = discounted return-to-go,
+    normalized by the mean/std (unbiased) over all response tokens of the whole
+    batch. Global rather than per-group normalization is the paper's point: it
+    avoids the per-prompt bias of GRPO-style baselines. Padded positions are 0.
+    """
+    m = mask.bool()
+    r = _float(rewards)
+    token_r = torch.zeros(m.shape, dtype=r.dtype, device=r.device)
+    if kl is not None and kl_coef != 0.0:
+        token_r = torch.where(m, -kl_coef * kl.detach().to(r.dtype), token_r)
+    # last response token: where the running count of response tokens reaches the row's total
+    is_last = m & (m.cumsum(dim=-1) == m.sum(dim=-1, keepdim=True))
+    token_r = token_r + torch.where(is_last, r[:, None], torch.zeros_like(token_r))
+
+    returns = torch.zeros_like(token_r)
+    running = torch.zeros_like(token_r[:, 0])
+    for t in reversed(range(token_r.shape[1])):  # loop over time, not over samples
+        running = token_r[:, t] + gamma * running
+        returns[:, t] = running
+
+    n = m.sum().clamp(min=1).to(r.dtype)
+    mean = torch.where(m, returns, 0.0).sum() / n
+    var = torch.where(m, (returns - mean).square(), 0.0).sum() / (n - 1).clamp(min=1)
+    adv = (returns - mean) / (var.sqrt() + _STD_EPS)
+    return torch.where(m, adv, torch.zeros_like(adv))
+
+
+def remax_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor) -> torch.Tensor:
+    """ReMax (Li et al., arXiv 2310.10505): the greedy response's reward for the
+    same prompt is the baseline; `greedy_rewards` is already expanded to `[B]`."""
+    return _float(rewards) - _float(greedy_rewards)

@@ -1,0 +1,55 @@
+"""Online policy mirror descent, squared-loss form of Kimi k1.5 (arXiv 2501.12599).
+
+For a prompt's k responses with rewards r_j and sequence log-probs
+S_j = sum_t logp, S_j^behav = sum_t logp_behav:
+
+    loss_group = (1/k) * sum_j (r_j - mean(r) - tau * (S_j - S_j^behav))^2
+
+mean(r) stands in for tau * log Z of the KL-regularized optimum; the sampler's
+own log-probabilities are the reference, so stale samples need no importance
+weight. The batch loss is the mean over the prompt groups present.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def opmd_loss(
+    logp: torch.Tensor,
+    logp_behav: torch.Tensor,
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    group: torch.Tensor,
+    *,
+    tau: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`logp`, `logp_behav`, `mask` are `[B, T]`; `rewards` and `group` are `[B]`
+    (group ids arbitrary, any order). Returns (scalar loss with grad, stats)."""
+    m = mask.bool()
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=logp.device)
+    # torch.where, not multiplication: garbage (inf/NaN) in padding must not reach sums or grads.
+    seq_logp = torch.where(m, logp.to(dtype), zero).sum(dim=-1)
+    seq_logp_behav = torch.where(m, logp_behav.detach().to(dtype), zero).sum(dim=-1)
+    r = rewards.detach().to(dtype)
+
+    _, gid, counts = torch.unique(group, return_inverse=True, return_counts=True)
+    n_groups = counts.numel()
+    k = counts.to(dtype)[gid]  # size of each response's group, [B]
+    r_mean = torch.zeros(n_groups, dtype=dtype, device=r.device).index_add(0, gid, r)[gid] / k
+
+    log_ratio = seq_logp - seq_logp_behav
+    residual = r - r_mean - tau * log_ratio
+    # (1/k) sum over the group, then mean over groups == sum_j residual_j^2 / (k_j * G).
+    loss = (residual.square() / k).sum() / max(n_groups, 1)
+
+    with torch.no_grad():
+        stats = {
+            "opmd/residual_mean": float(residual.mean()),
+            "opmd/residual_abs_mean": float(residual.abs().mean()),
+            "opmd/residual_rms": float(residual.square().mean().sqrt()),
+            "opmd/log_ratio_mean": float(log_ratio.mean()),
+            "opmd/groups": float(n_groups),
+        }
+    return loss, stats

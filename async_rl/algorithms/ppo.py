@@ -1,0 +1,92 @@
+"""PPO clipped surrogate, with AReaL's decoupled objective for stale samples.
+
+Decoupled PPO ("Boosting LLM reasoning via decoupled PPO", AReaL, arXiv 2505.24298):
+samples from an old behavior policy are corrected by an importance weight
+w = pi_prox / pi_behav (truncated at `is_cap`, no gradient), while the trust
+region is centred on the recent proximal policy pi_prox instead of pi_behav:
+
+    r_t    = exp(logp - logp_prox)
+    w_t    = min(exp(logp_prox - logp_behav), is_cap)          (detached)
+    loss_t = -w_t * min(r_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)
+
+decoupled=False is naive PPO on stale data: r_t = exp(logp - logp_behav), w_t = 1.
+Asymmetric eps_low/eps_high allow DAPO-style "clip-higher" (arXiv 2503.14476).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .aggregation import aggregate
+from .kl import kl_estimate
+
+
+def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:
+    return float(torch.where(m, x, 0.0).sum() / m.sum().clamp(min=1))
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    logp_prox: torch.Tensor,
+    logp_behav: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    is_cap: float = 2.0,
+    decoupled: bool = True,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token tensors are `[B, T]`; `advantages` is `[B]` (broadcast over tokens)
+    or `[B, T]`. Returns (scalar loss with grad, dict of float stats)."""
+    m = mask.bool()
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=logp.device)
+
+    # Replace padding *before* any exp: torch.where after the fact would still
+    # back-propagate 0 * inf = NaN through garbage positions.
+    def clean(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(m, x.to(dtype), zero)
+
+    logp = clean(logp)
+    logp_prox = clean(logp_prox.detach())
+    logp_behav = clean(logp_behav.detach())
+    adv = advantages.detach().to(dtype)
+    adv = clean(adv[:, None].expand_as(logp) if adv.dim() == 1 else adv)
+
+    if decoupled:
+        ratio = torch.exp(logp - logp_prox)
+        raw_w = torch.exp(logp_prox - logp_behav)
+        w = raw_w.clamp(max=is_cap)
+    else:
+        ratio = torch.exp(logp - logp_behav)
+        raw_w = w = torch.ones_like(ratio)
+
+    surr = ratio * adv
+    surr_clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
+    loss_tokens = -w * torch.minimum(surr, surr_clipped)
+    loss = aggregate(loss_tokens, m, agg)
+
+    with torch.no_grad():
+        # The clipped branch is active (zero gradient) only where it is strictly smaller.
+        clipped = m & (surr_clipped < surr)
+        n = m.sum().clamp(min=1)
+        w_resp = torch.where(m, w, zero)
+        if decoupled and m.any():
+            # ESS of the *capped* weights actually used in the loss, normalized to (0, 1].
+            ess = float(w_resp.sum().square() / (m.sum() * w_resp.square().sum()).clamp(min=1e-30))
+        else:
+            ess = 1.0
+        stats = {
+            "clip_frac": float(clipped.sum() / n),
+            "clip_frac_low": float((clipped & (ratio < 1.0)).sum() / n),
+            "clip_frac_high": float((clipped & (ratio > 1.0)).sum() / n),
+            "is/ess": ess,
+            "is/capped_frac": float((m & (raw_w > is_cap)).sum() / n),
+            "is/weight_mean": _masked_mean(w, m),
+            # k3 of KL(behav || prox): samples come from the behavior policy.
+            "mismatch_kl": _masked_mean(kl_estimate(logp_behav, logp_prox, "k3"), m),
+            "ratio_mean": _masked_mean(ratio, m),
+        }
+    return loss, stats

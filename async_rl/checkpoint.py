@@ -1,0 +1,51 @@
+"""Checkpoints: resumable (DCP, sharded model + optimizer + coordinator state) and the
+final Hugging Face directory.
+
+A checkpoint directory is written under a temporary name and renamed when complete,
+so a half-written one is never mistaken for a finished one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+
+def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    coordinator_state: dict | None) -> None:
+    """Collective: every learner rank calls it; rank 0 passes the coordinator state."""
+    tmp = path.with_name(path.name + ".partial")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (tmp / "coordinator.json").write_text(json.dumps(coordinator_state or {}, indent=1))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    dist.barrier()
+
+
+def save_hf_model(model: torch.nn.Module, full_params: Iterator[tuple[str, torch.Tensor]], tokenizer,
+                  out_dir: Path) -> None:
+    """Write `full_params` into a plain (unsharded) HF model and save it with its tokenizer."""
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in full_params:
+            named[name].copy_(tensor)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)

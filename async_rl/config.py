@@ -1,0 +1,238 @@
+"""Typed run configuration: YAML file + dotted CLI overrides, validated by pydantic.
+
+Each field is documented once, here, in its `Field(description=...)`; the README's
+config reference is generated from these descriptions (`async-rl config-doc`).
+Validation failures become one line naming the dotted key (`ConfigError`), and the
+CLI turns that into exit status 2.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line that names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field("demo", description="HF causal-LM directory, or `demo` to build the built-in 132k-parameter arithmetic model (with its supervised warm start) into RUN_DIR/base_model.")
+    warm_start_accuracy: float = Field(0.3, ge=0.0, le=1.0, description="Demo model only: stop the supervised warm start at this held-out greedy accuracy.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device for learner and actors; `auto` = cuda when available.")
+
+
+class TaskConfig(_Section):
+    name: Literal["arithmetic", "jsonl"] = Field("arithmetic", description="Prompt source: built-in `arithmetic` (a+b=) or `jsonl` (lines with `prompt` and `answer`).")
+    digits: int = Field(2, ge=1, le=6, description="arithmetic: digits per operand.")
+    eval_size: int = Field(256, ge=1, description="arithmetic: number of held-out evaluation prompts (jsonl: see eval_path).")
+    train_path: str | None = Field(None, description="jsonl: training prompts file.")
+    eval_path: str | None = Field(None, description="jsonl: held-out prompts file (default: a held-out slice of train_path).")
+    reward: str | None = Field(None, description="jsonl: reward function as `module:function(prompt, response, answer) -> float`.")
+
+
+class ActorsConfig(_Section):
+    count: int = Field(1, ge=1, le=256, description="Number of actor processes `async-rl train` spawns.")
+    engine: Literal["torch", "vllm"] = Field("torch", description="Generation engine.")
+    groups_per_request: int = Field(8, ge=1, description="Prompt groups an actor asks for (and generates as one batch) per request.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature; recorded log-probs are under the tempered distribution.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    max_new_tokens: int = Field(8, ge=1, description="Response length limit.")
+    threads: int = Field(1, ge=1, description="torch intra-op threads per actor (CPU).")
+    heartbeat_s: float = Field(1.0, gt=0.0, description="Seconds between actor heartbeats.")
+    heartbeat_timeout_s: float = Field(30.0, gt=0.0, description="An actor silent this long is declared dead.")
+
+
+class LearnerConfig(_Section):
+    ranks: int = Field(2, ge=1, le=64, description="Learner processes (torchrun --nproc-per-node) sharing the model with FSDP2.")
+    threads: int = Field(1, ge=1, description="torch intra-op threads per learner rank (CPU).")
+    micro_batch_size: int = Field(256, ge=1, description="Sequences per forward/backward on one rank (gradient accumulation beyond).")
+    timeout_s: float = Field(600.0, gt=0.0, description="Timeout of learner collectives and of waiting for experience.")
+
+
+class PPOConfig(_Section):
+    eps_low: float = Field(0.2, ge=0.0, description="PPO clip range below 1.")
+    eps_high: float = Field(0.2, ge=0.0, description="PPO clip range above 1 (eps_high > eps_low = clip-higher).")
+    is_cap: float = Field(2.0, gt=0.0, description="Decoupled PPO: cap on the behavior importance weight exp(logp_prox - logp_behav).")
+    decoupled: bool = Field(True, description="Decoupled PPO (proximal policy + IS weight, AReaL) vs naive PPO against the behavior policy.")
+
+
+class OPMDConfig(_Section):
+    tau: float = Field(1.0, gt=0.0, description="OPMD regularization strength (Kimi k1.5).")
+
+
+class TrainConfig(_Section):
+    max_steps: int = Field(60, ge=1, description="Optimizer steps (= final policy version).")
+    batch_groups: int = Field(64, ge=1, description="Prompt groups consumed per learner step.")
+    group_size: int = Field(8, ge=1, description="Responses sampled per prompt (G).")
+    loss: Literal["ppo", "opmd"] = Field("ppo", description="Policy loss.")
+    advantage: Literal["grpo", "drgrpo", "rloo"] = Field("grpo", description="Group advantage estimator (used by `ppo`).")
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("token-mean", description="Loss aggregation over tokens.")
+    lr: float = Field(5e-4, gt=0.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Gradient-norm clip.")
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    opmd: OPMDConfig = Field(default_factory=OPMDConfig)
+
+
+class SyncConfig(_Section):
+    every: int = Field(1, ge=1, description="Broadcast weights to actors every this many learner steps.")
+    bucket_mb: float = Field(16.0, gt=0.0, description="Flat bucket size for the weight broadcast.")
+    in_flight: bool = Field(False, description="Apply new weights between decode steps instead of between batches (not yet supported).")
+    timeout_s: float = Field(60.0, gt=0.0, description="Timeout of the broadcast group's rendezvous and collectives.")
+
+
+class EvalConfig(_Section):
+    every: int = Field(10, ge=0, description="Greedy held-out evaluation every this many steps (0 = only first and last).")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(0, ge=0, description="Resumable checkpoint every this many steps (0 = only at the end).")
+
+
+class TransportConfig(_Section):
+    host: str = Field("127.0.0.1", description="Interface the hub binds; loopback by default, set an address for multi-node runs.")
+    hub_port: int = Field(0, ge=0, le=65535, description="Hub ROUTER port (0 = ephemeral).")
+    experience_port: int = Field(0, ge=0, le=65535, description="Experience PULL port (0 = ephemeral).")
+    hwm: int = Field(64, ge=1, description="ZeroMQ high-water mark (messages) on experience sockets: actors block when the learner stalls.")
+    timeout_s: float = Field(30.0, gt=0.0, description="Send/receive timeout for every socket operation.")
+
+
+class Config(_Section):
+    name: str = Field("demo", description="Run name, used for the default run_dir.")
+    run_dir: str | None = Field(None, description="Run directory (default runs/<name>-<timestamp>).")
+    seed: int = Field(0, description="Seed for prompts, sampling and initialization.")
+    max_staleness: int = Field(2, ge=0, description="Bound eta on sample staleness; 0 = synchronous on-policy baseline.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    actors: ActorsConfig = Field(default_factory=ActorsConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "Config":
+        if self.sync.every > self.max_staleness + 1:
+            # Admission needs actors at version >= v - max_staleness; with rarer syncs
+            # they never get there and the run deadlocks.
+            raise ValueError(f"sync.every: must be <= max_staleness + 1 = {self.max_staleness + 1}, got {self.sync.every}")
+        if self.train.batch_groups % self.learner.ranks:
+            raise ValueError(f"train.batch_groups: must be a multiple of learner.ranks={self.learner.ranks} "
+                             f"(each rank trains on whole groups), got {self.train.batch_groups}")
+        if self.task.name == "jsonl" and (not self.task.train_path or not self.task.reward):
+            key = "task.train_path" if not self.task.train_path else "task.reward"
+            raise ValueError(f"{key}: required when task.name=jsonl")
+        if self.sync.in_flight:
+            raise ValueError("sync.in_flight: in-flight weight updates are not supported yet; use false")
+        if self.actors.engine == "vllm":
+            raise ValueError("actors.engine: the vllm engine is not available in this build; use torch")
+        return self
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`key.sub=value` strings -> nested dict; values are parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{item}: overrides must look like key.sub=value")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip(), value)
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        return f"{key}: unknown key"
+    if "input" in first and first["type"] != "value_error" and not isinstance(first["input"], dict):
+        return f"{key}: {msg} (got {first['input']!r})"
+    return msg if (not key and ":" in msg) else f"{key}: {msg}" if key else msg
+
+
+def build_config(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_one_line(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read config ({err.strerror})") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: invalid YAML ({str(err).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+    return build_config(_merge(data, parse_overrides(list(overrides))))
+
+
+def resolve_run_dir(cfg: Config) -> Path:
+    if cfg.run_dir is None:
+        cfg.run_dir = f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path(cfg.run_dir)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def from_yaml(text: str) -> Config:
+    return build_config(yaml.safe_load(text))
+
+
+def reference_markdown() -> str:
+    """Config reference table for the README, generated from the Field descriptions."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            default = field.get_default(call_default_factory=True)
+            rows.append(f"| `{prefix}{name}` | `{default}` | {field.description or ''} |")
+
+    walk(Config, "")
+    return "\n".join(rows)

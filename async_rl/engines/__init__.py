@@ -1,0 +1,21 @@
+"""Generation engines: `make_engine("torch" | "vllm", **kw)`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from async_rl.engines.base import Completion, GenerationEngine
+
+__all__ = ["Completion", "GenerationEngine", "make_engine"]
+
+
+def make_engine(name: str, **kw: Any) -> GenerationEngine:
+    """Build the engine called `name`; keyword arguments go to its constructor."""
+    if name == "torch":
+        # Imported lazily so that importing the package stays cheap (no transformers).
+        from async_rl.engines.torch_engine import TorchEngine
+
+        return TorchEngine(**kw)
+    if name == "vllm":
+        raise RuntimeError("vLLM engine not implemented in this build")
+    raise ValueError(f"unknown engine {name!r}; expected 'torch' or 'vllm'")

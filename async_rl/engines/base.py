@@ -1,0 +1,61 @@
+"""The generation-engine protocol shared by every engine (torch, vLLM, ...).
+
+An actor owns one engine. The engine turns prompt token ids into sampled responses
+and records, per response token, the two things the learner needs to correct for
+staleness: the log-probability under the distribution the token was actually drawn
+from, and the policy version of the weights that drew it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class Completion:
+    """One sampled response to one prompt."""
+
+    tokens: torch.Tensor  # int64 [L] response token ids (includes the EOS token if one was sampled)
+    logprobs: torch.Tensor  # float32 [L] log-prob of each token under the processed sampling distribution
+    versions: torch.Tensor  # int32 [L] policy version that produced each token
+    finished: bool  # True if EOS was produced, False if cut by max_new_tokens
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """What the actor needs from an engine.
+
+    `version` is the policy version of the weights currently loaded; weight sync
+    writes new values into `parameters_for_sync()` in place and then calls
+    `set_version`.
+    """
+
+    version: int
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int = 1,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> list[list[Completion]]:
+        """Sample `n` responses per prompt; result[i][j] is the j-th sample for prompt i."""
+        ...
+
+    def parameters_for_sync(self) -> list[tuple[str, torch.Tensor]]:
+        """The model's named parameters (tied weights once), in a deterministic order."""
+        ...
+
+    def set_version(self, version: int) -> None:
+        """Record that the loaded weights are now policy version `version`."""
+        ...

@@ -1,0 +1,249 @@
+"""A plain-PyTorch generation engine: batched sampling with a KV cache.
+
+Works with any Hugging Face causal LM (CPU or CUDA). Prompts are left-padded so
+that every row's next token sits in the last column, which lets one decode step
+serve the whole batch with a single [B, 1] forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+from torch import nn
+
+from async_rl.engines.base import Completion
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Return log-probs [B, V] of the distribution we actually sample from.
+
+    Temperature scaling first, then top-p (nucleus) truncation and renormalisation.
+    The learner's importance ratios need the log-prob under *this* distribution,
+    not the raw model's, so sampling and recording share one function.
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        # Mass strictly before each token; keep a token while that is below top_p,
+        # which always keeps the most likely token.
+        mass_before = sorted_logp.exp().cumsum(dim=-1) - sorted_logp.exp()
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    return logp
+
+
+class TorchEngine:
+    """Sampling engine around a Hugging Face causal LM held in this process.
+
+    A ready module is taken over, not copied: it is moved/cast in place, put in
+    eval mode and frozen (so sync code can write into its parameters in place).
+    """
+
+    def __init__(
+        self,
+        model_or_path: nn.Module | str | os.PathLike,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        if isinstance(model_or_path, nn.Module):
+            model = model_or_path
+        else:
+            from transformers import AutoModelForCausalLM  # heavy import, only when loading
+
+            model = AutoModelForCausalLM.from_pretrained(str(model_or_path), dtype=dtype)
+        self.device = torch.device(device)
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        self.model.requires_grad_(False)  # weights only change through in-place sync
+        self.version = 0
+
+        # Unset ids fall back to the model config (getattr on None gives None).
+        config = getattr(self.model, "config", None)
+        if eos_token_id is None:
+            eos_token_id = getattr(config, "eos_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = getattr(config, "pad_token_id", None)
+        # HF configs may hold one EOS id or a list of them.
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        self.eos_token_ids = [int(e) for e in eos]
+        if pad_token_id is None:
+            pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
+        # Padding only ever sits under a zero attention mask, so any valid id works.
+        self.pad_token_id = int(pad_token_id)
+        self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
+        # Only the last position's logits are needed; HF models that support
+        # `logits_to_keep` then skip the [B, T, V] projection at prefill.
+        params = inspect.signature(self.model.forward).parameters
+        self._logits_to_keep = "logits_to_keep" in params
+
+    # ----------------------------------------------------------------- protocol
+
+    def set_version(self, version: int) -> None:
+        self.version = int(version)
+
+    def parameters_for_sync(self) -> list[tuple[str, torch.Tensor]]:
+        # named_parameters() yields a tied tensor once, in registration order,
+        # which is the same on the learner's copy of the same architecture.
+        return list(self.model.named_parameters())
+
+    def _between_steps(self) -> None:
+        """Safe point between decode steps: in-flight weight updates will land here."""
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int = 1,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got {n=}, {max_new_tokens=}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: there is no token to condition on")
+        if not greedy and not (temperature > 0.0 and 0.0 < top_p <= 1.0):
+            raise ValueError(f"need temperature > 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
+
+        input_ids, mask = self._left_pad(prompts, n)
+        B, P = input_ids.shape
+        dev = self.device
+        # Whole-run buffers: the attention mask grows by one column per step and
+        # is passed as a prefix view, so nothing is reallocated inside the loop.
+        full_mask = torch.ones(B, P + max_new_tokens, dtype=torch.long, device=dev)
+        full_mask[:, :P] = mask
+        tokens = torch.full((B, max_new_tokens), self.pad_token_id, dtype=torch.long, device=dev)
+        logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=dev)
+        versions = torch.zeros(B, max_new_tokens, dtype=torch.int32, device=dev)
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=dev)
+
+        # Left padding shifts real tokens right; positions must still start at 0
+        # for each row's first real token (pads get 0, they are masked anyway).
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        next_pos = position_ids[:, -1:] + 1
+        cache = self._new_cache()
+        logits = self._forward(input_ids, full_mask[:, :P], position_ids, cache)
+
+        for t in range(max_new_tokens):
+            if t > 0:
+                self._between_steps()
+                logits = self._forward(tokens[:, t - 1 : t], full_mask[:, : P + t], next_pos, cache)
+                next_pos = next_pos + 1
+            tok, lp = self._sample(logits, temperature, top_p, greedy, generator)
+            # Rows already done keep padding; their samples are discarded.
+            tok = tok.masked_fill(finished, self.pad_token_id)
+            tokens[:, t] = tok
+            logprobs[:, t] = lp
+            versions[:, t] = self.version  # read per step: a sync may land in between
+            if self._eos.numel():
+                hit_eos = torch.isin(tok, self._eos) & ~finished
+                lengths = torch.where(hit_eos, t + 1, lengths)
+                finished |= hit_eos
+                if bool(finished.all()):
+                    break
+
+        return self._collect(tokens, logprobs, versions, lengths, finished, len(prompts), n)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _left_pad(self, prompts: list[list[int]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Repeat each prompt n times (samples of a prompt are adjacent) and left-pad."""
+        P = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), P), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), P, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, P - len(p) :] = 1
+        ids = ids.repeat_interleave(n, dim=0).to(self.device)
+        mask = mask.repeat_interleave(n, dim=0).to(self.device)
+        return ids, mask
+
+    def _new_cache(self) -> object:
+        from transformers import DynamicCache
+
+        # With the config the cache knows each layer's kind (full or sliding window).
+        return DynamicCache(config=getattr(self.model, "config", None))
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: object,
+    ) -> torch.Tensor:
+        """One cached forward; returns float32 logits [B, V] at the last position."""
+        kwargs: dict = dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(**kwargs)
+        return out.logits[:, -1, :].float()
+
+    @staticmethod
+    def _sample(
+        logits: torch.Tensor,
+        temperature: float,
+        top_p: float,
+        greedy: bool,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pick one token per row; return (token ids [B], their log-probs [B])."""
+        if greedy:
+            # Greedy has no sampling temperature; report the model's own log-prob.
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = logp.argmax(dim=-1)
+        else:
+            logp = process_logits(logits, temperature, top_p)
+            probs = logp.exp()
+            if generator is not None and generator.device != probs.device:
+                # A CPU generator with a CUDA engine: draw where the generator lives.
+                tok = torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)
+            else:
+                tok = torch.multinomial(probs, 1, generator=generator)
+            tok = tok.squeeze(-1)
+        return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+    @staticmethod
+    def _collect(
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        versions: torch.Tensor,
+        lengths: torch.Tensor,
+        finished: torch.Tensor,
+        num_prompts: int,
+        n: int,
+    ) -> list[list[Completion]]:
+        """Cut each row at its length and group rows by prompt (one pass, on CPU)."""
+        tokens, logprobs, versions = tokens.cpu(), logprobs.cpu(), versions.cpu()
+        lens, done = lengths.tolist(), finished.tolist()
+        out: list[list[Completion]] = []
+        for i in range(num_prompts):
+            group = []
+            for r in range(i * n, (i + 1) * n):
+                L = lens[r]
+                group.append(
+                    Completion(
+                        tokens=tokens[r, :L].clone(),
+                        logprobs=logprobs[r, :L].clone(),
+                        versions=versions[r, :L].clone(),
+                        finished=done[r],
+                    )
+                )
+            out.append(group)
+        return out

@@ -1,0 +1,125 @@
+"""`async-rl train`: one machine, one process per role.
+
+Spawns the learner world with torchrun, waits for the coordinator to publish its
+endpoints, then spawns the actors pointing at the hub. Ctrl-C (or SIGTERM) is
+forwarded to every child, which get a grace period before SIGKILL, so no process is
+left behind.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .config import Config, ConfigError, resolve_run_dir, to_yaml
+from .runtime import make_task_from_config
+
+log = logging.getLogger("async_rl.launch")
+GRACE_S = 30.0
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    run_dir = resolve_run_dir(cfg).resolve()
+    if (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"run_dir: {run_dir} already holds a run; choose another run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run_dir = str(run_dir)
+    if cfg.model.path == "demo":
+        from .models import build_demo_model
+
+        target = run_dir / "base_model"
+        if not (target / "config.json").exists():
+            log.info("building the demo model (with supervised warm start) in %s", target)
+            build_demo_model(target, seed=cfg.seed, task=make_task_from_config(cfg),
+                             target_accuracy=cfg.model.warm_start_accuracy)
+        cfg.model.path = str(target)
+    elif not (Path(cfg.model.path) / "config.json").exists():
+        raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json)")
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    return run_dir
+
+
+def _wait_for_hub(run_dir: Path, learner: subprocess.Popen, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    path = run_dir / "endpoints.json"
+    while time.monotonic() < deadline:
+        if learner.poll() is not None:
+            raise RuntimeError(f"the learner exited with status {learner.returncode} before starting its hub")
+        if path.exists():
+            return json.loads(path.read_text())["hub"]
+        time.sleep(0.1)
+    raise RuntimeError(f"the learner's hub did not come up within {timeout_s:.0f}s")
+
+
+def _child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def _stop(procs: list[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)  # each child leads its own process group (torchrun's workers too)
+            except ProcessLookupError:
+                pass
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def train(cfg: Config) -> int:
+    run_dir = prepare_run_dir(cfg)
+    print(f"async-rl: run directory {run_dir}", file=sys.stderr)
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    learner_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={cfg.learner.ranks}", "-m", "async_rl.roles.learner",
+                   str(run_dir / "config.yaml")]
+    learner = subprocess.Popen(learner_cmd, env=_child_env(cfg.learner.threads), start_new_session=True)
+    actors: list[subprocess.Popen] = []
+    interrupted = False
+
+    def on_signal(signum, _frame):
+        nonlocal interrupted
+        interrupted = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        hub = _wait_for_hub(run_dir, learner, timeout_s=cfg.learner.timeout_s)
+        for i in range(cfg.actors.count):
+            out = open(logs / f"actor-{i}.log", "ab")
+            actors.append(subprocess.Popen(
+                [sys.executable, "-m", "async_rl.cli", "actor", "--hub", hub, "--name", f"actor-{i}"],
+                env=_child_env(cfg.actors.threads), stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        while learner.poll() is None and not interrupted:
+            time.sleep(0.2)
+        if interrupted:
+            print("async-rl: stopping (interrupted)", file=sys.stderr)
+            _stop([learner, *actors], signal.SIGTERM)
+        _wait_all([learner], GRACE_S)
+        _wait_all(actors, GRACE_S)  # they leave on the hub's goodbye
+    except RuntimeError as err:
+        print(f"async-rl: {err}", file=sys.stderr)
+    finally:
+        _stop([learner, *actors], signal.SIGTERM)
+        _wait_all([learner, *actors], 5.0)
+        _stop([learner, *actors], signal.SIGKILL)
+        _wait_all([learner, *actors], 5.0)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if interrupted:
+        return 130
+    return learner.returncode if learner.returncode is not None else 1

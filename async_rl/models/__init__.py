@@ -1,0 +1,19 @@
+"""Policies made by the project's own code (nothing is downloaded)."""
+
+from async_rl.models.demo import (
+    answer_probabilities,
+    build_demo_model,
+    build_tokenizer,
+    greedy_accuracy,
+    greedy_responses,
+    mixed_group_fraction,
+)
+
+__all__ = [
+    "answer_probabilities",
+    "build_demo_model",
+    "build_tokenizer",
+    "greedy_accuracy",
+    "greedy_responses",
+    "mixed_group_fraction",
+]

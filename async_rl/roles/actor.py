@@ -1,0 +1,162 @@
+"""Actor: a rollout process with one generation engine.
+
+Loop: ask the hub for work -> (join a weight sync | generate G responses per granted
+prompt, score them, push one message per group | wait). New weights are applied only
+here, between generation batches, so every token of a batch has one version.
+A heartbeat thread with its own socket keeps the actor alive in the registry while a
+long batch runs.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import torch
+import zmq
+
+from ..config import Config, from_yaml
+from ..engines import make_engine
+from ..transport import (ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder, Wait,
+                         Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
+from ..weight_sync import WeightReceiver
+from ..runtime import load_tokenizer, make_task_from_config, resolve_device, sync_backend
+
+log = logging.getLogger("async_rl.actor")
+
+
+class HubClient:
+    """One DEALER socket to the hub with timeouts on every operation."""
+
+    def __init__(self, ctx: zmq.Context, hub_addr: str, timeout_s: float):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        self.sock.connect(hub_addr)
+        self.limits, self.rejects = WireLimits(), RejectCounter()
+
+    def request(self, msg):
+        send(self.sock, msg)
+        return self.receive()
+
+    def receive(self):
+        while True:
+            try:
+                _, reply = recv(self.sock, self.limits, self.rejects, routed=False)
+            except zmq.Again:
+                raise TimeoutError("the hub did not answer in time") from None
+            if reply is not None:
+                return reply
+
+
+def _heartbeat_loop(ctx: zmq.Context, hub_addr: str, state: dict, stop: threading.Event, every_s: float) -> None:
+    client = HubClient(ctx, hub_addr, timeout_s=every_s * 5)
+    try:
+        while not stop.wait(every_s):
+            try:
+                send(client.sock, Heartbeat(actor_id=state["actor_id"], version=state["version"],
+                                            generated_groups=state["generated"]))
+            except zmq.Again:
+                pass  # the hub is busy; the main loop notices a dead hub through its own timeouts
+    finally:
+        client.sock.close(0)
+
+
+def run_actor(hub_addr: str, name: str | None = None) -> int:
+    ctx = zmq.Context()
+    name = name or f"actor-{socket.gethostname()}-{os.getpid()}"
+    hub = HubClient(ctx, hub_addr, timeout_s=60.0)
+    welcome = hub.request(Hello(actor_name=name, pid=os.getpid(), host=socket.gethostname()))
+    if not isinstance(welcome, Welcome):
+        log.error("hub refused registration: %s", welcome)
+        return 1
+    cfg: Config = from_yaml(welcome.config_yaml)
+    torch.set_num_threads(cfg.actors.threads)
+    hub.sock.setsockopt(zmq.RCVTIMEO, int(cfg.transport.timeout_s * 1000))
+    device = resolve_device(cfg.model.device)
+    engine = make_engine(cfg.actors.engine, model_or_path=cfg.model.path, device=device)
+    tokenizer = load_tokenizer(cfg.model.path)
+    task = make_task_from_config(cfg)
+    receiver = WeightReceiver(engine.parameters_for_sync(), bucket_mb=cfg.sync.bucket_mb,
+                              backend=sync_backend(device), timeout_s=cfg.sync.timeout_s)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, int(cfg.transport.timeout_s * 1000))
+    push.setsockopt(zmq.SNDHWM, cfg.transport.hwm)  # learner stalls -> we block here, memory stays bounded
+    push.setsockopt(zmq.SNDTIMEO, int(cfg.transport.timeout_s * 1000))
+    push.connect(welcome.experience_addr)
+
+    actor_id = welcome.actor_id
+    state = {"actor_id": actor_id, "version": 0, "generated": 0}
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat_loop, args=(ctx, hub_addr, state, stop, cfg.actors.heartbeat_s),
+                            daemon=True)
+    beat.start()
+    generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + actor_id)
+    log.info("actor %d ready (%s) on %s", actor_id, name, device)
+    try:
+        while True:
+            reply = hub.request(WorkRequest(actor_id=actor_id, version=engine.version,
+                                            max_groups=cfg.actors.groups_per_request))
+            if isinstance(reply, Goodbye):
+                log.info("actor %d leaving: %s", actor_id, reply.reason)
+                return 0
+            if isinstance(reply, Wait):
+                time.sleep(reply.seconds)
+            elif isinstance(reply, SyncOrder):
+                receiver.receive(epoch=reply.epoch, rank=reply.rank, world_size=reply.world_size,
+                                 store_host=reply.store_host, store_port=reply.store_port)
+                engine.set_version(reply.version)
+                state["version"] = reply.version
+                send(hub.sock, SyncDone(actor_id=actor_id, epoch=reply.epoch, version=reply.version))
+            elif isinstance(reply, WorkGrant):
+                for msg in rollout(engine, tokenizer, task, cfg, reply, actor_id, generator):
+                    push.send_multipart(msg, copy=False)
+                    state["generated"] += 1
+    finally:
+        stop.set()
+        push.close()
+        hub.sock.close(0)
+        beat.join(timeout=5)
+        ctx.term()
+
+
+def rollout(engine, tokenizer, task, cfg: Config, grant: WorkGrant, actor_id: int, generator) -> list:
+    """Generate, score and encode one ExperienceGroup per granted prompt."""
+    from ..transport import encode
+
+    G = cfg.train.group_size
+    prompt_tokens = [tokenizer(text)["input_ids"] for text in grant.prompts]
+    started = time.monotonic()
+    completions = engine.generate(prompt_tokens, n=G, max_new_tokens=cfg.actors.max_new_tokens,
+                                  temperature=cfg.actors.temperature, top_p=cfg.actors.top_p, generator=generator)
+    gen_seconds = (time.monotonic() - started) / max(1, len(grant.prompts))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    out = []
+    for k, samples in enumerate(completions):
+        T = max(1, max(len(c.tokens) for c in samples))
+        tokens = np.full((G, T), pad, dtype=np.int32)
+        logprobs = np.zeros((G, T), dtype=np.float32)
+        versions = np.zeros((G, T), dtype=np.int32)
+        lengths = np.zeros(G, dtype=np.int32)
+        rewards = np.zeros(G, dtype=np.float32)
+        for j, c in enumerate(samples):
+            n = len(c.tokens)
+            tokens[j, :n] = c.tokens.numpy()
+            logprobs[j, :n] = c.logprobs.numpy()
+            versions[j, :n] = c.versions.numpy()
+            versions[j, n:] = engine.version
+            lengths[j] = n
+            response = tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
+            rewards[j] = float(task.reward(grant.prompts[k], response, grant.answers[k]))
+        valid = versions[np.arange(T)[None, :] < lengths[:, None]]
+        out.append(encode(ExperienceGroup(
+            actor_id=actor_id, group=grant.groups[k], prompt_id=grant.prompt_ids[k],
+            version=int(valid.min()) if valid.size else engine.version,
+            prompt_tokens=np.asarray(prompt_tokens[k], dtype=np.int32), response_tokens=tokens,
+            response_lengths=lengths, logprobs=logprobs, token_versions=versions, rewards=rewards,
+            gen_seconds=gen_seconds)))
+    return out

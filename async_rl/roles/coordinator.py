@@ -1,0 +1,261 @@
+"""Coordinator: runs as a thread on learner rank 0.
+
+It owns the prompt cursor (admission index = prompt index), admission control, the
+replay buffer, the actor registry and the weight-sync membership. Actors talk to it
+over a ROUTER socket (hello / work / heartbeat / sync-done / goodbye, one reply per
+request) and push experience to a PULL socket. Every message is validated by the wire
+layer; anything inconsistent with the coordinator's state is rejected and counted too.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from ..admission import Admission
+from ..config import Config, to_yaml
+from ..replay_buffer import ReplayBuffer
+from ..tasks.base import Task
+from ..transport import (ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder, Wait,
+                         Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
+from ..weight_sync import WeightBroadcaster
+
+log = logging.getLogger("async_rl.coordinator")
+
+
+@dataclass
+class ActorInfo:
+    actor_id: int
+    name: str
+    pid: int
+    host: str
+    identity: bytes
+    last_seen: float
+    version: int = 0
+    outstanding: set[int] = field(default_factory=set)  # admission indices granted, not yet delivered
+
+
+@dataclass
+class Grant:
+    actor_id: int
+    version: int
+
+
+class Coordinator:
+    def __init__(self, cfg: Config, task: Task, broadcaster: WeightBroadcaster, run_dir: Path):
+        self.cfg, self.task, self.broadcaster, self.run_dir = cfg, task, broadcaster, run_dir
+        self.admission = Admission(cfg.max_staleness, cfg.train.batch_groups)
+        capacity = (cfg.max_staleness + 2) * cfg.train.batch_groups + cfg.actors.count * cfg.actors.groups_per_request
+        self.buffer: ReplayBuffer[ExperienceGroup] = ReplayBuffer(cfg.max_staleness, capacity)
+        self.limits = WireLimits()
+        self.rejects = RejectCounter()
+        self.version = 0  # learner version, set by the learner after each step
+        self.actors: dict[int, ActorInfo] = {}
+        self.granted: dict[int, Grant] = {}  # admission index -> who generates it
+        self.reissue: deque[int] = deque()  # indices whose actor died before delivering
+        self._next_actor_id = 0
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._ready = threading.Event()
+        self.hub_addr = self.experience_addr = ""
+        self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
+
+    # -- lifecycle ----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout=30):
+            raise RuntimeError("coordinator failed to bind its sockets")
+
+    def stop(self, drain_s: float = 3.0) -> None:
+        """Tell every actor to leave (they get Goodbye on their next request), then close."""
+        self._drain_s = drain_s
+        self._stopping.set()
+        self._thread.join(timeout=drain_s + 10)
+
+    @property
+    def live_actors(self) -> int:
+        return len(self.actors)
+
+    # -- the loop -----------------------------------------------------------------
+    def _bind(self, ctx: zmq.Context, kind: int, port: int) -> tuple[zmq.Socket, str]:
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, self.cfg.transport.hwm if kind == zmq.PULL else 1000)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        sock.setsockopt(zmq.SNDTIMEO, int(self.cfg.transport.timeout_s * 1000))
+        host = self.cfg.transport.host
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        return sock, f"tcp://{host}:{port}"
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        hub, self.hub_addr = self._bind(ctx, zmq.ROUTER, self.cfg.transport.hub_port)
+        hub.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        pull, self.experience_addr = self._bind(ctx, zmq.PULL, self.cfg.transport.experience_port)
+        self._write_endpoints()
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(hub, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        stop_deadline = None
+        try:
+            while True:
+                if self._stopping.is_set():
+                    stop_deadline = stop_deadline or time.monotonic() + self._drain_s
+                    if not self.actors or time.monotonic() > stop_deadline:
+                        break
+                events = dict(poller.poll(50))
+                if hub in events:
+                    for identity, msg in self._drain(hub, routed=True, most=64):
+                        self._on_request(hub, identity, msg)
+                if pull in events:
+                    for _, msg in self._drain(pull, routed=False, most=256):
+                        self._on_experience(msg)
+                self._reap_dead()
+        finally:
+            hub.close(0)
+            pull.close(0)
+            ctx.term()
+            self._stopped.set()
+
+    def _drain(self, sock: zmq.Socket, *, routed: bool, most: int):
+        """Up to `most` valid messages already queued (invalid ones are counted by recv)."""
+        for _ in range(most):
+            try:
+                identity, msg = recv(sock, self.limits, self.rejects, routed=routed, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if msg is not None:
+                yield identity, msg
+
+    # -- requests -----------------------------------------------------------------
+    def _reply(self, hub: zmq.Socket, identity: bytes, msg) -> None:
+        try:
+            send(hub, msg, identity=identity)
+        except zmq.ZMQError as err:  # peer vanished (ROUTER_MANDATORY) or queue full
+            log.warning("could not reply to an actor: %s", err)
+
+    def _on_request(self, hub: zmq.Socket, identity: bytes, msg) -> None:
+        now = time.monotonic()
+        if isinstance(msg, Hello):
+            self._register(hub, identity, msg, now)
+            return
+        actor = self.actors.get(getattr(msg, "actor_id", -1))
+        if actor is None:
+            self.rejects.reject("unknown_actor")
+            if isinstance(msg, WorkRequest):
+                self._reply(hub, identity, Goodbye(reason="unknown actor: register with hello first"))
+            return
+        actor.last_seen = now
+        if isinstance(msg, Heartbeat):
+            actor.version = max(actor.version, msg.version)
+        elif isinstance(msg, SyncDone):
+            actor.version = max(actor.version, msg.version)
+        elif isinstance(msg, Goodbye):
+            self._remove(actor.actor_id, "said goodbye")
+        elif isinstance(msg, WorkRequest):
+            if msg.version > self.version:
+                self.rejects.reject("future_version")
+                self._reply(hub, identity, Wait(seconds=0.1))
+                return
+            actor.identity, actor.version = identity, msg.version
+            self._reply(hub, identity, self._answer_work(actor, msg))
+        else:
+            self.rejects.reject("unexpected_kind")
+
+    def _answer_work(self, actor: ActorInfo, req: WorkRequest):
+        if self._stopping.is_set():
+            return Goodbye(reason="run finished")
+        job = self.broadcaster.job()
+        if job is not None and actor.actor_id in job.members and actor.version < job.version:
+            return SyncOrder(epoch=job.epoch, rank=job.rank_of(actor.actor_id), world_size=len(job.members) + 1,
+                             store_host=self.broadcaster.host, store_port=self.broadcaster.port, version=job.version)
+        indices = self._admit(req.version, req.max_groups)
+        if not indices:
+            return Wait(seconds=0.02)
+        for i in indices:
+            self.granted[i] = Grant(actor.actor_id, req.version)
+            actor.outstanding.add(i)
+        prompts = [self.task.train_prompt(i) for i in indices]
+        return WorkGrant(groups=indices, prompt_ids=[p.id for p in prompts],
+                         prompts=[p.text for p in prompts], answers=[p.answer for p in prompts])
+
+    def _admit(self, version: int, wanted: int) -> list[int]:
+        # Re-issued slots first (their index is old, so any current actor satisfies the bound).
+        out: list[int] = []
+        while self.reissue and len(out) < wanted:
+            out.append(self.reissue.popleft())
+        out.extend(self.admission.admit(version, wanted - len(out)))
+        return out
+
+    def _register(self, hub: zmq.Socket, identity: bytes, msg: Hello, now: float) -> None:
+        actor_id = self._next_actor_id
+        self._next_actor_id += 1
+        self.actors[actor_id] = ActorInfo(actor_id, msg.actor_name, msg.pid, msg.host, identity, now)
+        log.info("actor %d (%s, pid %d) joined", actor_id, msg.actor_name, msg.pid)
+        self._reply(hub, identity, Welcome(actor_id=actor_id, config_yaml=to_yaml(self.cfg),
+                                           experience_addr=self.experience_addr, version=self.version))
+        self._membership_changed()
+
+    def _remove(self, actor_id: int, why: str) -> None:
+        actor = self.actors.pop(actor_id, None)
+        if actor is None:
+            return
+        log.warning("actor %d (%s) removed: %s", actor_id, actor.name, why)
+        for index in sorted(actor.outstanding):  # lose no admitted prompt
+            self.granted.pop(index, None)
+            self.reissue.append(index)
+        self._membership_changed()
+
+    def _reap_dead(self) -> None:
+        timeout = self.cfg.actors.heartbeat_timeout_s
+        now = time.monotonic()
+        for actor in [a for a in self.actors.values() if now - a.last_seen > timeout]:
+            self._remove(actor.actor_id, f"no heartbeat for {timeout:.0f}s")
+
+    def _membership_changed(self) -> None:
+        self.broadcaster.set_members(self.actors)
+        self._write_endpoints()
+
+    def _write_endpoints(self) -> None:
+        data = {
+            "hub": self.hub_addr, "experience": self.experience_addr,
+            "store": f"{self.broadcaster.host}:{self.broadcaster.port}", "learner_pid": os.getpid(),
+            "actors": [{"id": a.actor_id, "pid": a.pid, "name": a.name, "host": a.host} for a in self.actors.values()],
+        }
+        tmp = self.run_dir / "endpoints.json.tmp"
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, self.run_dir / "endpoints.json")  # readers never see a half-written file
+
+    # -- experience ---------------------------------------------------------------
+    def _on_experience(self, msg) -> None:
+        if not isinstance(msg, ExperienceGroup):
+            self.rejects.reject("unexpected_kind")
+            return
+        grant = self.granted.get(msg.group)
+        if grant is None or grant.actor_id != msg.actor_id:
+            self.rejects.reject("not_granted")
+            return
+        if msg.version < grant.version or msg.version > self.version:
+            self.rejects.reject("bad_version")
+            return
+        if msg.response_tokens.shape[0] != self.cfg.train.group_size or msg.prompt_id != self.task.train_prompt(msg.group).id:
+            self.rejects.reject("bad_group")
+            return
+        if not self.buffer.put(msg.group, msg.version, msg):
+            self.rejects.reject("buffer_refused")
+            return
+        del self.granted[msg.group]
+        actor = self.actors.get(msg.actor_id)
+        if actor is not None:
+            actor.outstanding.discard(msg.group)

@@ -1,0 +1,34 @@
+"""Glue from a Config to concrete components, shared by the learner and the actors."""
+from __future__ import annotations
+
+import torch
+
+from .config import Config
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.device=cuda but no CUDA device is visible")
+    return torch.device(name)
+
+
+def sync_backend(device: torch.device) -> str:
+    """torch.distributed backend for tensors on this device: NCCL on GPU, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def make_task_from_config(cfg: Config):
+    from .tasks import make_task
+
+    t = cfg.task
+    if t.name == "arithmetic":
+        return make_task("arithmetic", seed=cfg.seed, digits=t.digits, eval_size=t.eval_size)
+    return make_task("jsonl", seed=cfg.seed, path=t.train_path, eval_path=t.eval_path, reward=t.reward)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

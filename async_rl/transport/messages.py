@@ -1,0 +1,212 @@
+"""Typed messages of the async-rl wire protocol.
+
+Every message is a frozen dataclass with a ``KIND`` tag (the header's ``kind``).
+Field types are limited to what :mod:`async_rl.transport.wire` validates
+generically from the type hints: ``int``, ``float``, ``str``, ``bool``,
+``list[int]``, ``list[str]``, ``dict[str, Any]``, ``Optional[...]`` of those, and
+``np.ndarray`` fields declared with :func:`array` (those travel as raw frames
+after the msgpack header, never inside it).
+
+Per-field bounds are declared with :func:`bounded` (for ``list[int]`` they apply
+to every element). Rules that relate several fields live in each class's
+``check`` method, which returns a rejection reason or ``None``.
+"""
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:  # wire imports this module; avoid the cycle at run time
+    from .wire import WireLimits
+
+# Log-probabilities are <= 0 in exact arithmetic; float32 log-softmax can land a
+# hair above zero for a near-certain token, so allow a small tolerance.
+LOGPROB_TOLERANCE = 1e-4
+
+
+def array(dtype: str, ndim: int) -> Any:
+    """Declare an ndarray field that travels as one raw frame."""
+    return field(metadata={"dtype": dtype, "ndim": ndim})
+
+
+def bounded(lo: float | None = None, hi: float | None = None, **kwargs: Any) -> Any:
+    """Declare inclusive bounds on a numeric field (checked on decode)."""
+    return field(metadata={"min": lo, "max": hi}, **kwargs)
+
+
+class Message:
+    """Base class of every wire message."""
+
+    KIND: ClassVar[str] = ""
+
+    def check(self, limits: "WireLimits") -> str | None:
+        """Cross-field rules; return a rejection reason, or None when valid."""
+        return None
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """actor -> hub: registration."""
+
+    KIND: ClassVar[str] = "hello"
+    actor_name: str
+    pid: int = bounded(0)
+    host: str
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    """hub -> actor: registration accepted."""
+
+    KIND: ClassVar[str] = "welcome"
+    actor_id: int = bounded(0)
+    config_yaml: str
+    experience_addr: str
+    version: int = bounded(0)
+
+
+@dataclass(frozen=True)
+class WorkRequest(Message):
+    """actor -> hub: ask for prompt groups; ``version`` = weights it will use."""
+
+    KIND: ClassVar[str] = "work_request"
+    actor_id: int = bounded(0)
+    version: int = bounded(0)
+    max_groups: int = bounded(0)
+
+
+@dataclass(frozen=True)
+class WorkGrant(Message):
+    """hub -> actor: admitted prompt groups, as parallel lists."""
+
+    KIND: ClassVar[str] = "work_grant"
+    groups: list[int] = bounded(0)  # admission indices
+    prompt_ids: list[int] = bounded(0)
+    prompts: list[str]
+    answers: list[str]
+
+    def check(self, limits: "WireLimits") -> str | None:
+        n = len(self.groups)
+        if not len(self.prompt_ids) == len(self.prompts) == len(self.answers) == n:
+            return "shape_mismatch"
+        return None
+
+
+@dataclass(frozen=True)
+class Wait(Message):
+    """hub -> actor: nothing admissible now; ask again after ``seconds``."""
+
+    KIND: ClassVar[str] = "wait"
+    seconds: float = bounded(0.0)
+
+
+@dataclass(frozen=True)
+class SyncOrder(Message):
+    """hub -> actor: join the weight broadcast group of ``epoch`` now."""
+
+    KIND: ClassVar[str] = "sync_order"
+    epoch: int = bounded(0)
+    rank: int = bounded(0)
+    world_size: int = bounded(1)
+    store_host: str
+    store_port: int = bounded(1, 65535)
+    version: int = bounded(0)
+
+    def check(self, limits: "WireLimits") -> str | None:
+        return "bad_value" if self.rank >= self.world_size else None
+
+
+@dataclass(frozen=True)
+class SyncDone(Message):
+    """actor -> hub: weights of ``version`` loaded."""
+
+    KIND: ClassVar[str] = "sync_done"
+    actor_id: int = bounded(0)
+    epoch: int = bounded(0)
+    version: int = bounded(0)
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """actor -> hub: still alive."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    actor_id: int = bounded(0)
+    version: int = bounded(0)
+    generated_groups: int = bounded(0)
+
+
+@dataclass(frozen=True)
+class Goodbye(Message):
+    """Either direction: stop."""
+
+    KIND: ClassVar[str] = "goodbye"
+    reason: str
+
+
+# eq=False: the generated __eq__ would compare ndarrays, whose truth is ambiguous.
+@dataclass(frozen=True, eq=False)
+class ExperienceGroup(Message):
+    """actor -> learner: ONE prompt group (G responses, right-padded to T)."""
+
+    KIND: ClassVar[str] = "experience_group"
+    actor_id: int = bounded(0)
+    group: int = bounded(0)  # admission index
+    prompt_id: int = bounded(0)
+    version: int = bounded(0)  # oldest token version in the group
+    prompt_tokens: np.ndarray = array("int32", 1)  # [P]
+    response_tokens: np.ndarray = array("int32", 2)  # [G, T], padded with pad id
+    response_lengths: np.ndarray = array("int32", 1)  # [G]
+    logprobs: np.ndarray = array("float32", 2)  # [G, T], sampling distribution
+    token_versions: np.ndarray = array("int32", 2)  # [G, T]
+    rewards: np.ndarray = array("float32", 1)  # [G]
+    gen_seconds: float = bounded(0.0)
+    greedy_reward: Optional[float] = None  # ReMax baseline, when computed
+
+    def check(self, limits: "WireLimits") -> str | None:
+        g, t = self.response_tokens.shape
+        if (
+            self.logprobs.shape != (g, t)
+            or self.token_versions.shape != (g, t)
+            or self.response_lengths.shape != (g,)
+            or self.rewards.shape != (g,)
+        ):
+            return "shape_mismatch"
+        if g > limits.max_group_size or max(t, len(self.prompt_tokens)) > limits.max_tokens:
+            return "too_large"
+        lengths = self.response_lengths
+        if g == 0 or (lengths < 0).any() or (lengths > t).any():
+            return "bad_value"
+        if (self.prompt_tokens < 0).any() or (self.response_tokens < 0).any():
+            return "bad_value"
+        # Padding positions carry no meaning; only real tokens are checked.
+        valid = np.arange(t)[None, :] < lengths[:, None]
+        if (self.logprobs[valid] > LOGPROB_TOLERANCE).any():
+            return "bad_value"
+        versions = self.token_versions[valid]
+        if versions.size:
+            if versions.min() < 0:
+                return "bad_value"
+            # The group's version is what staleness is measured on: it must be
+            # exactly the oldest token's, or admission accounting lies.
+            if int(versions.min()) != self.version:
+                return "version_mismatch"
+        return None
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.KIND: cls
+    for cls in (
+        Hello,
+        Welcome,
+        WorkRequest,
+        WorkGrant,
+        Wait,
+        SyncOrder,
+        SyncDone,
+        Heartbeat,
+        Goodbye,
+        ExperienceGroup,
+    )
+}

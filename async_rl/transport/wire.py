@@ -1,0 +1,373 @@
+"""Encoding, decoding and validation of async-rl wire messages.
+
+A message is a list of frames. Frame 0 is a msgpack map
+``{"schema": 1, "kind": str, "body": {...}, "arrays": [{"name", "dtype", "shape"}]}``;
+frames 1..k are the raw little-endian, C-contiguous bytes of each array, in the
+order of ``arrays``. Nothing is ever pickled: a peer can only make us build the
+dataclasses of :mod:`.messages` out of plain values and numeric arrays.
+
+``decode`` raises only :class:`WireError`, whose ``reason`` is a short, stable
+snake_case code suitable for metrics; ``recv`` turns it into a counted rejection.
+"""
+
+import logging
+import math
+import operator
+import threading
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Sequence, Union
+
+import msgpack
+import numpy as np
+import zmq
+
+from .messages import MESSAGE_TYPES, Message
+
+SCHEMA = 1
+
+# Byte order is pinned so that mixed-endian hosts would fail loudly, not silently.
+_DTYPES = {
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+}
+_HEADER_KEYS = frozenset({"schema", "kind", "body", "arrays"})
+_ARRAY_KEYS = frozenset({"name", "dtype", "shape"})
+_INT64_BOUND = 1 << 63  # ints must fit int64 so numpy/torch never overflow later
+
+log = logging.getLogger("async_rl.wire")
+
+
+class WireError(Exception):
+    """An invalid message; ``reason`` is a stable code, ``detail`` free text."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    max_message_bytes: int = 64 << 20
+    max_header_bytes: int = 64 << 10
+    max_dim: int = 1 << 20
+    max_group_size: int = 1024
+    max_tokens: int = 65536
+
+
+# ---------------------------------------------------------------- field specs
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    kind: str  # int | float | str | bool | list[int] | list[str] | dict | array
+    optional: bool  # None is an allowed value
+    required: bool  # must be present in the body (no default)
+    lo: float | None = None
+    hi: float | None = None
+    dtype: str = ""
+    ndim: int = 0
+
+
+_HINT_KINDS: dict[Any, str] = {
+    int: "int", float: "float", str: "str", bool: "bool",
+    list[int]: "list[int]", list[str]: "list[str]",
+    dict[str, Any]: "dict", np.ndarray: "array",
+}
+
+
+def _compile(cls: type) -> tuple[dict[str, _Field], dict[str, _Field]]:
+    """Turn a message dataclass's type hints into (body fields, array fields)."""
+    hints = typing.get_type_hints(cls)
+    body: dict[str, _Field] = {}
+    arrays: dict[str, _Field] = {}
+    for f in fields(cls):
+        hint, optional = hints[f.name], False
+        if typing.get_origin(hint) in (Union, types.UnionType):
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            hint, optional = (args[0] if len(args) == 1 else None), True
+        kind = _HINT_KINDS.get(hint)
+        if kind is None or (optional and kind == "array"):
+            raise TypeError(f"{cls.__name__}.{f.name}: unsupported wire type {hints[f.name]}")
+        required = f.default is MISSING and f.default_factory is MISSING
+        meta = f.metadata
+        spec = _Field(f.name, kind, optional, required, meta.get("min"), meta.get("max"),
+                      meta.get("dtype", ""), meta.get("ndim", 0))
+        if kind == "array" and spec.dtype not in _DTYPES:
+            raise TypeError(f"{cls.__name__}.{f.name}: array fields need array(dtype, ndim)")
+        (arrays if kind == "array" else body)[f.name] = spec
+    return body, arrays
+
+
+# Compiled at import so that a badly declared message fails at once, not on first use.
+_SPECS = {kind: _compile(cls) for kind, cls in MESSAGE_TYPES.items()}
+
+
+_PLAIN_TYPES: dict[str, type] = {"str": str, "bool": bool, "dict": dict}
+
+
+def _check_range(f: _Field, v: float) -> None:
+    if (f.lo is not None and v < f.lo) or (f.hi is not None and v > f.hi):
+        raise WireError("bad_value", f.name)
+    if type(v) is int and not -_INT64_BOUND <= v < _INT64_BOUND:
+        raise WireError("bad_value", f.name)
+
+
+def _check_value(f: _Field, v: Any) -> Any:
+    """Validate one decoded body value against its field; return the value to store."""
+    if v is None:
+        if f.optional:
+            return None
+        raise WireError("bad_field_type", f.name)
+    # `type(...) is` rather than isinstance: bool is an int subclass and must not pass.
+    if f.kind == "int" and type(v) is int:
+        _check_range(f, v)
+    elif f.kind == "float" and type(v) in (int, float):  # some encoders pack 1.0 as 1
+        v = float(v)
+        if not math.isfinite(v):
+            raise WireError("non_finite", f.name)
+        _check_range(f, v)
+    elif f.kind == "list[int]" and type(v) is list and all(type(x) is int for x in v):
+        for x in v:
+            _check_range(f, x)
+    elif f.kind == "list[str]" and type(v) is list and all(type(x) is str for x in v):
+        pass
+    elif not (f.kind in _PLAIN_TYPES and type(v) is _PLAIN_TYPES[f.kind]):
+        raise WireError("bad_field_type", f.name)
+    return v
+
+
+# ---------------------------------------------------------------- header unpacking
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise WireError("bad_header", f"ext type {code}")
+
+
+def _str_keys(obj: dict) -> dict:
+    # strict_map_key still lets bytes keys through; field names are always str.
+    for key in obj:
+        if type(key) is not str:
+            raise WireError("bad_header", "non-str map key")
+    return obj
+
+
+def _unpack_header(view: memoryview, limits: WireLimits) -> Any:
+    n = limits.max_header_bytes
+    try:
+        return msgpack.unpackb(
+            view, raw=False, strict_map_key=True, ext_hook=_reject_ext, object_hook=_str_keys,
+            max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=0,
+        )
+    except WireError:
+        raise
+    except Exception as exc:  # msgpack raises a zoo of types for malformed input
+        raise WireError("not_msgpack", type(exc).__name__) from None
+
+
+def _as_view(frame: Any) -> memoryview:
+    """A flat byte view of a frame (bytes, memoryview or zmq.Frame), no copy."""
+    try:
+        view = memoryview(frame)
+        if not view.c_contiguous:
+            raise WireError("bad_frame", "non-contiguous buffer")
+        return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+    except (TypeError, ValueError) as exc:
+        raise WireError("bad_frame", type(exc).__name__) from None
+
+
+# ---------------------------------------------------------------- encode / decode
+
+
+def _to_wire(f: _Field, v: Any) -> Any:
+    """Coerce a field value to plain msgpack types (numpy scalars are not packable)."""
+    if v is None:
+        return None
+    if f.kind == "int":
+        return operator.index(v)  # refuses floats: silent truncation would hide bugs
+    if f.kind == "float":
+        return float(v)
+    if f.kind == "bool":
+        return bool(v)
+    if f.kind == "list[int]":
+        return [operator.index(x) for x in v]
+    if f.kind == "list[str]":
+        return list(v)
+    return v
+
+
+def encode(msg: Message) -> list[bytes | memoryview]:
+    """Frames for ``msg``; arrays are memoryviews over their numpy buffers.
+
+    Arrays are converted to the declared dtype only when needed (that copies);
+    otherwise the frame aliases the caller's array, which must not be mutated
+    until the send completes.
+    """
+    cls = MESSAGE_TYPES.get(getattr(msg, "KIND", None))  # type: ignore[arg-type]
+    if cls is None or type(msg) is not cls:
+        raise TypeError(f"not a wire message: {type(msg).__name__}")
+    body_spec, array_spec = _SPECS[msg.KIND]
+    body = {name: _to_wire(f, getattr(msg, name)) for name, f in body_spec.items()}
+    descs: list[dict[str, Any]] = []
+    payload: list[bytes | memoryview] = []
+    for name, f in array_spec.items():
+        arr = np.ascontiguousarray(getattr(msg, name), dtype=_DTYPES[f.dtype])
+        descs.append({"name": name, "dtype": f.dtype, "shape": list(arr.shape)})
+        # Flat uint8 view: memoryview.cast refuses shapes with a zero in them.
+        payload.append(memoryview(arr.reshape(-1).view(np.uint8)))
+    header = {"schema": SCHEMA, "kind": msg.KIND, "body": body, "arrays": descs}
+    return [msgpack.packb(header, use_bin_type=True), *payload]
+
+
+def _decode_arrays(
+    descs: Any, payload: list[memoryview], spec: dict[str, _Field], limits: WireLimits
+) -> dict[str, np.ndarray]:
+    if type(descs) is not list:
+        raise WireError("bad_header", "arrays is not a list")
+    if len(descs) != len(payload):
+        raise WireError("frame_count", f"{len(descs)} arrays, {len(payload)} frames")
+    out: dict[str, np.ndarray] = {}
+    for desc, buf in zip(descs, payload):
+        if type(desc) is not dict or desc.keys() != _ARRAY_KEYS:
+            raise WireError("bad_header", "array descriptor")
+        name, dtype, shape = desc["name"], desc["dtype"], desc["shape"]
+        f = spec.get(name) if type(name) is str else None
+        if f is None:
+            raise WireError("unknown_field", repr(name)[:60])
+        if name in out:
+            raise WireError("bad_header", f"duplicate array {name}")
+        if type(dtype) is not str or dtype != f.dtype:
+            raise WireError("bad_dtype", f"{name}: {repr(dtype)[:30]}")
+        if type(shape) is not list or len(shape) != f.ndim or len(shape) > 2 \
+                or any(type(d) is not int or d < 0 for d in shape):
+            raise WireError("bad_shape", name)
+        if any(d > limits.max_dim for d in shape):
+            raise WireError("too_large", f"{name}: dim > {limits.max_dim}")
+        dt = _DTYPES[dtype]
+        if buf.nbytes != math.prod(shape) * dt.itemsize:
+            raise WireError("shape_mismatch", f"{name}: {buf.nbytes} bytes for {shape}")
+        arr = np.frombuffer(buf, dtype=dt).reshape(shape)  # zero copy, aliases the frame
+        if not arr.flags.aligned:  # rare; vectorized kernels and torch want alignment
+            arr = arr.copy()
+        if dt.kind == "f" and not np.isfinite(arr).all():
+            raise WireError("non_finite", name)
+        out[name] = arr
+    missing = spec.keys() - out.keys()
+    if missing:
+        raise WireError("missing_field", min(missing))
+    return out
+
+
+def decode(frames: Sequence[Any], limits: WireLimits | None = None) -> Message:
+    """Validate ``frames`` and build the typed message; raises only WireError."""
+    limits = limits or WireLimits()
+    if not frames:
+        raise WireError("frame_count", "no frames")
+    views = [_as_view(f) for f in frames]
+    if sum(v.nbytes for v in views) > limits.max_message_bytes:
+        raise WireError("too_large", "message")
+    if views[0].nbytes > limits.max_header_bytes:  # before unpacking: bounds parse work
+        raise WireError("too_large", "header")
+    header = _unpack_header(views[0], limits)
+    if type(header) is not dict:
+        raise WireError("bad_header", "not a map")
+    # Schema first: a future schema may legitimately change the other keys.
+    if type(header.get("schema")) is not int or header["schema"] != SCHEMA:
+        raise WireError("bad_schema", repr(header.get("schema"))[:30])
+    if header.keys() != _HEADER_KEYS:
+        raise WireError("bad_header", "header keys")
+    kind = header["kind"]
+    cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
+    if cls is None:
+        raise WireError("unknown_kind", repr(kind)[:60])
+    body_spec, array_spec = _SPECS[kind]
+    body = header["body"]
+    if type(body) is not dict:
+        raise WireError("bad_header", "body is not a map")
+    for name in body:
+        if name not in body_spec:
+            raise WireError("unknown_field", f"{kind}.{name[:60]}")
+    values: dict[str, Any] = {}
+    for name, f in body_spec.items():
+        if name in body:
+            values[name] = _check_value(f, body[name])
+        elif f.required:
+            raise WireError("missing_field", f"{kind}.{name}")
+    values.update(_decode_arrays(header["arrays"], views[1:], array_spec, limits))
+    msg = cls(**values)
+    reason = msg.check(limits)
+    if reason is not None:
+        raise WireError(reason, kind)
+    return msg
+
+
+# ---------------------------------------------------------------- rejection accounting
+
+
+class RejectCounter:
+    """Thread-safe count of rejected messages by reason.
+
+    The first rejection of each reason is logged (a misbehaving peer would
+    otherwise flood the log); the rest only count, and surface as metrics.
+    """
+
+    def __init__(self, logger: logging.Logger = log) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._log = logger
+
+    def record(self, error: WireError) -> None:
+        with self._lock:
+            first = error.reason not in self._counts
+            self._counts[error.reason] = self._counts.get(error.reason, 0) + 1
+        if first:
+            self._log.warning("rejected wire message: %s (%s); further '%s' rejections "
+                              "are counted, not logged", error.reason, error.detail, error.reason)
+
+    def reject(self, reason: str, detail: str = "") -> None:
+        """Count a message the wire layer accepted but the receiver's state refuses."""
+        self.record(WireError(reason, detail))
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._counts.values())
+
+    def by_reason(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+# ---------------------------------------------------------------- socket helpers
+
+
+def send(socket: zmq.Socket, msg: Message, *, identity: bytes | None = None, flags: int = 0) -> None:
+    """Send ``msg``; on a ROUTER pass the peer's ``identity``. Arrays are not copied."""
+    frames: list[Any] = encode(msg)
+    if identity is not None:
+        frames.insert(0, identity)
+    socket.send_multipart(frames, flags=flags, copy=False)
+
+
+def recv(
+    socket: zmq.Socket, limits: WireLimits, counter: RejectCounter, *, routed: bool, flags: int = 0
+) -> tuple[bytes | None, Message | None]:
+    """Receive one message: (identity if ``routed`` else None, message or None).
+
+    An invalid message is counted in ``counter`` and yields None; zmq errors
+    (zmq.Again on timeout or NOBLOCK) propagate to the caller.
+    """
+    parts = socket.recv_multipart(flags=flags, copy=False)
+    identity = None
+    if routed:  # a ROUTER prepends the sending DEALER's identity frame
+        identity, parts = parts[0].bytes, parts[1:]
+    try:
+        return identity, decode(parts, limits)
+    except WireError as err:
+        counter.record(err)
+        return identity, None

@@ -1,0 +1,223 @@
+"""Weight broadcast from learner rank 0 to the actors.
+
+The actors are not members of the torchrun world, so each membership epoch gets its
+own process group {learner rank 0 = rank 0, actors = ranks 1..n}, rendezvoused through
+a TCPStore that rank 0 hosts, under a per-epoch key prefix (gloo on CPU, NCCL on GPU).
+Parameters travel in flat buckets of `sync.bucket_mb`, grouped by dtype, in
+`named_parameters()` order, which both sides derive from the same architecture.
+
+Rank 0 never waits for actors: `publish` copies the gathered weights into a pending
+buffer set and returns; a background thread swaps it in and broadcasts while training
+goes on (double buffering). Actors join at their next safe point.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("async_rl.sync")
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dtype: torch.dtype
+    numel: int
+    entries: tuple[BucketEntry, ...]
+
+
+def plan_buckets(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> list[Bucket]:
+    """Pack parameters, in order, into flat same-dtype buckets of at most `bucket_bytes`
+    (a tensor larger than that gets a bucket of its own)."""
+    buckets: list[Bucket] = []
+    open_: dict[torch.dtype, list[BucketEntry]] = {}
+    sizes: dict[torch.dtype, int] = {}
+
+    def close(dtype: torch.dtype) -> None:
+        if open_.get(dtype):
+            buckets.append(Bucket(dtype, sizes[dtype], tuple(open_[dtype])))
+        open_[dtype], sizes[dtype] = [], 0
+
+    for name, shape, dtype in specs:
+        numel = 1
+        for d in shape:
+            numel *= d
+        item = torch.empty((), dtype=dtype).element_size()
+        if open_.get(dtype) and (sizes[dtype] + numel) * item > bucket_bytes:
+            close(dtype)
+        open_.setdefault(dtype, [])
+        sizes.setdefault(dtype, 0)
+        open_[dtype].append(BucketEntry(name, sizes[dtype], numel, tuple(shape)))
+        sizes[dtype] += numel
+    for dtype in list(open_):
+        close(dtype)
+    return buckets
+
+
+def new_group(backend: str, store: dist.Store, epoch: int, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup:
+    """A process group outside the default (torchrun) world, one per membership epoch."""
+    prefixed = dist.PrefixStore(f"sync/{epoch}/", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(prefixed, rank, world, dist.ProcessGroupNCCL.Options())  # type: ignore[attr-defined]
+    return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+
+
+@dataclass(frozen=True)
+class SyncJob:
+    epoch: int
+    version: int
+    members: tuple[int, ...]  # actor ids; actor k has group rank members.index(k) + 1
+
+    def rank_of(self, actor_id: int) -> int:
+        return self.members.index(actor_id) + 1
+
+
+class WeightBroadcaster:
+    """Learner rank 0 side: owns the store, the buckets and the broadcast thread."""
+
+    def __init__(self, specs: list[tuple[str, tuple[int, ...], torch.dtype]], *, bucket_mb: float,
+                 host: str, backend: str, device: torch.device, timeout_s: float):
+        self.plan = plan_buckets(specs, int(bucket_mb * 2**20))
+        self.backend, self.timeout_s = backend, timeout_s
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        self.host, self.port = host, self.store.port
+        self._slot = {e.name: (i, e) for i, b in enumerate(self.plan) for e in b.entries}
+        self._pending = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in self.plan]
+        self._sending = [torch.empty_like(t) for t in self._pending]
+        self._pending_version: int | None = None
+        self._sent_version: int | None = None
+        self._members: tuple[int, ...] = ()
+        self._epoch = 0
+        self._job: SyncJob | None = None
+        self._cond = threading.Condition()
+        self._stop = False
+        self.completed = 0
+        self.failures = 0
+        self.last_broadcast_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="weight-broadcast", daemon=True)
+        self._thread.start()
+
+    # -- called by the learner's main thread ------------------------------------
+    def publish(self, version: int, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Copy full (gathered) tensors into the pending buckets; returns without waiting for actors."""
+        with self._cond:
+            for name, tensor in named_tensors:
+                i, entry = self._slot[name]
+                self._pending[i][entry.offset:entry.offset + entry.numel].copy_(tensor.reshape(-1))
+            self._pending_version = version
+            self._cond.notify_all()
+
+    # -- called by the coordinator ----------------------------------------------
+    def set_members(self, actor_ids: Iterable[int]) -> None:
+        members = tuple(sorted(actor_ids))
+        with self._cond:
+            if members != self._members:
+                self._members, self._epoch = members, self._epoch + 1
+                self._cond.notify_all()
+
+    def job(self) -> SyncJob | None:
+        return self._job
+
+    @property
+    def sent_version(self) -> int | None:
+        return self._sent_version
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=self.timeout_s + 5)
+
+    # -- the broadcast thread ---------------------------------------------------
+    def _run(self) -> None:
+        group, group_epoch = None, 0
+        while True:
+            with self._cond:
+                while not self._stop and not self._work_ready(group_epoch):
+                    self._cond.wait(timeout=0.5)
+                if self._stop:
+                    return
+                if self._pending_version is not None and self._pending_version != self._sent_version:
+                    self._pending, self._sending = self._sending, self._pending
+                    self._sent_version, self._pending_version = self._pending_version, None
+                job = SyncJob(self._epoch, self._sent_version, self._members)  # type: ignore[arg-type]
+                self._job = job
+            started = time.monotonic()
+            try:
+                if group_epoch != job.epoch:
+                    group, group_epoch = None, 0
+                    group = new_group(self.backend, self.store, job.epoch, 0, len(job.members) + 1, self.timeout_s)
+                    group_epoch = job.epoch
+                for tensor in self._sending:
+                    _broadcast(group, tensor)
+                self.completed += 1
+                self.last_broadcast_s = time.monotonic() - started
+            except Exception as err:  # a member died or never came: rebuild next time
+                self.failures += 1
+                log.warning("weight broadcast of version %s (epoch %s) failed: %s", job.version, job.epoch,
+                            str(err).splitlines()[0] if str(err) else type(err).__name__)
+                group, group_epoch = None, 0
+                with self._cond:
+                    self._epoch += 1  # a fresh store prefix for the retry
+            finally:
+                self._job = None
+
+    def _work_ready(self, group_epoch: int) -> bool:
+        if not self._members:
+            return False
+        new_weights = self._pending_version is not None and self._pending_version != self._sent_version
+        new_members = group_epoch != self._epoch and self._sent_version is not None
+        return new_weights or new_members
+
+
+class WeightReceiver:
+    """Actor side: joins the epoch's group and writes received buckets into its parameters."""
+
+    def __init__(self, params: list[tuple[str, torch.Tensor]], *, bucket_mb: float, backend: str, timeout_s: float):
+        self.params = dict(params)
+        self.plan = plan_buckets([(n, tuple(p.shape), p.dtype) for n, p in params], int(bucket_mb * 2**20))
+        self.backend, self.timeout_s = backend, timeout_s
+        self._store: dist.TCPStore | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._epoch = -1
+
+    def receive(self, *, epoch: int, rank: int, world_size: int, store_host: str, store_port: int) -> None:
+        if self._store is None or (self._store.host, self._store.port) != (store_host, store_port):
+            self._store = dist.TCPStore(store_host, store_port, is_master=False,
+                                        timeout=datetime.timedelta(seconds=self.timeout_s))
+        if epoch != self._epoch:
+            self._group = None
+            self._group = new_group(self.backend, self._store, epoch, rank, world_size, self.timeout_s)
+            self._epoch = epoch
+        device = next(iter(self.params.values())).device
+        for bucket in self.plan:
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+            _broadcast(self._group, flat)
+            with torch.no_grad():
+                for e in bucket.entries:
+                    self.params[e.name].copy_(flat[e.offset:e.offset + e.numel].view(e.shape))
+
+    def reset(self) -> None:
+        self._group, self._epoch = None, -1

@@ -1,0 +1,58 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from async_rl.config import ConfigError, from_yaml, load_config, reference_markdown, to_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_config_loads_with_overrides():
+    cfg = load_config(ROOT / "configs/demo.yaml", ["train.max_steps=3", "max_staleness=0", "train.lr=1e-3"])
+    assert cfg.train.max_steps == 3 and cfg.max_staleness == 0 and cfg.train.lr == 1e-3
+
+
+def test_yaml_round_trip():
+    cfg = load_config(ROOT / "configs/demo.yaml")
+    assert from_yaml(to_yaml(cfg)) == cfg
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.batchgroups=3", "train.batchgroups: unknown key"),
+    ("train.batch_groups=abc", "train.batch_groups:"),
+    ("train.loss=dpo", "train.loss:"),
+    ("max_staleness=-1", "max_staleness:"),
+    ("sync.every=9", "sync.every:"),
+    ("train.batch_groups=63", "train.batch_groups: must be a multiple"),
+    ("task.name=jsonl", "task.train_path:"),
+    ("nonsense", "nonsense:"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs/demo.yaml", [override])
+    assert str(err.value).startswith(key) and "\n" not in str(err.value)
+
+
+def test_cli_bad_config_exits_2_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"),
+                           "train.loss=xyz", f"run_dir={tmp_path / 'r'}"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "train.loss" in lines[0]
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_missing_config_file_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(tmp_path / "nope.yaml")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "nope.yaml" in proc.stderr
+
+
+def test_reference_lists_every_contract_key():
+    doc = reference_markdown()
+    for key in ["run_dir", "seed", "max_staleness", "actors.count", "train.max_steps", "train.batch_groups",
+                "train.group_size", "train.loss", "train.advantage", "sync.every", "sync.bucket_mb",
+                "sync.in_flight", "eval.every", "checkpoint.every"]:
+        assert f"`{key}`" in doc
