@@ -107,10 +107,12 @@ def train(cfg: Config) -> int:
         while learner.poll() is None and not interrupted:
             time.sleep(0.2)
         if interrupted:
-            print("async-rl: stopping (interrupted)", file=sys.stderr)
-            _stop([learner, *actors], signal.SIGTERM)
+            # The learner finishes its step, writes a checkpoint and final/, and its hub
+            # tells the actors goodbye; they are only killed if they do not leave.
+            print("async-rl: stopping (interrupted): saving a checkpoint", file=sys.stderr)
+            _stop([learner], signal.SIGTERM)
         _wait_all([learner], GRACE_S)
-        _wait_all(actors, GRACE_S)  # they leave on the hub's goodbye
+        _wait_all(actors, 10.0)
     except RuntimeError as err:
         print(f"async-rl: {err}", file=sys.stderr)
     finally:

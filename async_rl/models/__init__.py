@@ -1,7 +1,7 @@
 """Policies made by the project's own code (nothing is downloaded)."""
 
 from async_rl.models.demo import (
-    answer_probabilities,
+    answer_statistics,
     build_demo_model,
     build_tokenizer,
     greedy_accuracy,
@@ -10,7 +10,7 @@ from async_rl.models.demo import (
 )
 
 __all__ = [
-    "answer_probabilities",
+    "answer_statistics",
     "build_demo_model",
     "build_tokenizer",
     "greedy_accuracy",

@@ -99,8 +99,12 @@ def run_actor(hub_addr: str, name: str | None = None) -> int:
     log.info("actor %d ready (%s) on %s", actor_id, name, device)
     try:
         while True:
-            reply = hub.request(WorkRequest(actor_id=actor_id, version=engine.version,
-                                            max_groups=cfg.actors.groups_per_request))
+            try:
+                reply = hub.request(WorkRequest(actor_id=actor_id, version=engine.version,
+                                                max_groups=cfg.actors.groups_per_request))
+            except TimeoutError:
+                log.error("actor %d leaving: the hub did not answer for %.0fs", actor_id, cfg.transport.timeout_s)
+                return 1
             if isinstance(reply, Goodbye):
                 log.info("actor %d leaving: %s", actor_id, reply.reason)
                 return 0

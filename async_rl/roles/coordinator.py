@@ -203,9 +203,9 @@ class Coordinator:
         self._next_actor_id += 1
         self.actors[actor_id] = ActorInfo(actor_id, msg.actor_name, msg.pid, msg.host, identity, now)
         log.info("actor %d (%s, pid %d) joined", actor_id, msg.actor_name, msg.pid)
+        self._membership_changed()
         self._reply(hub, identity, Welcome(actor_id=actor_id, config_yaml=to_yaml(self.cfg),
                                            experience_addr=self.experience_addr, version=self.version))
-        self._membership_changed()
 
     def _remove(self, actor_id: int, why: str) -> None:
         actor = self.actors.pop(actor_id, None)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +61,18 @@ def global_denominator(cfg: Config, batch: Batch, n_groups: int) -> float:
     if cfg.train.loss == "opmd":
         return float(n_groups)
     return algorithms.agg_denominator(batch.loss_mask, cfg.train.agg)
+
+
+def lr_factor(cfg: Config, step: int) -> float:
+    """Multiplier of train.lr at optimizer step `step` (0-based): warmup, then decay."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    if t.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_schedule == "cosine" else 1 - progress
+    return t.lr_min_ratio + (1 - t.lr_min_ratio) * shape
 
 
 def train_step(cfg: Config, model, optimizer, local: Batch, denominator: float, world: int) -> dict[str, float]:
@@ -116,8 +130,9 @@ class Learner:
         self.model = shard_model(model, init_device_mesh(self.device.type, (self.world,)))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr,
                                            weight_decay=cfg.train.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(cfg, step))
         self.version = 0
-        self.stop_requested = False
+        self.stop_event = threading.Event()  # set by SIGINT/SIGTERM; rank 0 acts on it
         if self.rank == 0:
             self._init_rank0()
 
@@ -139,26 +154,35 @@ class Learner:
         self.metrics = MetricsLogger(self.run_dir, cfg.train.max_steps, progress=sys.stderr.isatty() or True)
 
     # -- pieces of a step -------------------------------------------------------
-    def _next_batch(self) -> tuple[Batch, dict[str, float]]:
+    def _next_batch(self) -> tuple[Batch | None, dict[str, float]]:
+        """Rank 0 takes the next groups and scatters them; (None, {}) on every rank once
+        rank 0 decides to stop (signal received while training or waiting for data)."""
         info: dict[str, float] = {}
         batch = None
-        if self.rank == 0:
+        if self.rank == 0 and not self.stop_event.is_set():
             cfg = self.cfg
-            taken = self.coordinator.buffer.take(cfg.train.batch_groups, self.version, timeout=cfg.learner.timeout_s)
-            if taken is None:
+            taken = self.coordinator.buffer.take(cfg.train.batch_groups, self.version,
+                                                 timeout=cfg.learner.timeout_s, stop=self.stop_event)
+            if taken is None and not self.stop_event.is_set():
                 raise RuntimeError(f"no experience arrived for {cfg.learner.timeout_s:.0f}s "
                                    f"(live actors: {self.coordinator.live_actors})")
-            batch = build_batch(taken.groups, self.tokenizer.pad_token_id or 0)
-            batch.advantages = algorithms.group_advantages(batch.rewards, batch.group, method=cfg.train.advantage)
-            staleness = [self.version - v for v in taken.versions]
-            info = {"waited": taken.waited_s, "staleness/mean": sum(staleness) / len(staleness),
-                    "staleness/max": max(staleness), "train/reward_mean": float(batch.rewards.mean()),
-                    "gen_tokens": float(batch.loss_mask.sum()), "samples": float(batch.tokens.shape[0]),
-                    "denominator": global_denominator(cfg, batch, len(taken.groups))}
-        denom = torch.tensor([info.get("denominator", 0.0)], dtype=torch.float64)
-        dist.broadcast(denom, src=0)
+            if taken is not None:
+                batch = build_batch(taken.groups, self.tokenizer.pad_token_id or 0)
+                batch.advantages = algorithms.group_advantages(batch.rewards, batch.group,
+                                                               method=cfg.train.advantage)
+                staleness = [self.version - v for v in taken.versions]
+                info = {"waited": taken.waited_s, "staleness/mean": sum(staleness) / len(staleness),
+                        "staleness/max": max(staleness), "train/reward_mean": float(batch.rewards.mean()),
+                        "gen_tokens": float(batch.loss_mask.sum()), "samples": float(batch.tokens.shape[0]),
+                        "denominator": global_denominator(cfg, batch, len(taken.groups))}
+        # [denominator, stop]: one small broadcast keeps every rank in lock-step.
+        control = torch.tensor([info.get("denominator", 0.0), float(self.rank == 0 and batch is None)],
+                               dtype=torch.float64)
+        dist.broadcast(control, src=0)
+        if control[1] > 0:
+            return None, {}
         local = scatter_batch(batch, self.rank, self.world, self.device)
-        info["denominator"] = float(denom)
+        info["denominator"] = float(control[0])
         return local, info
 
     def _sync_weights(self) -> float:
@@ -190,9 +214,13 @@ class Learner:
         cfg = self.cfg
         self._evaluate()
         samples_total, last_end = 0, time.monotonic()
-        while self.version < cfg.train.max_steps and not self._stop_agreed():
+        while self.version < cfg.train.max_steps:
             local, info = self._next_batch()
+            if local is None:
+                break
             stats = train_step(cfg, self.model, self.optimizer, local, info["denominator"], self.world)
+            stats["learner/lr"] = self.scheduler.get_last_lr()[0]
+            self.scheduler.step()
             self.version += 1
             sync_s = self._sync_weights() if self.version % cfg.sync.every == 0 else 0.0
             if self.rank == 0:
@@ -217,11 +245,6 @@ class Learner:
         self._evaluate()
         self._finish()
         return 0
-
-    def _stop_agreed(self) -> bool:
-        flag = torch.tensor([1 if self.stop_requested else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def _finish(self) -> None:
         save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.version:06d}", self.model, self.optimizer,
@@ -254,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     learner = Learner(cfg)
 
     def request_stop(signum, _frame):
-        learner.stop_requested = True
+        learner.stop_event.set()
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)

@@ -1,15 +1,10 @@
 """Typed messages of the async-rl wire protocol.
 
-Every message is a frozen dataclass with a ``KIND`` tag (the header's ``kind``).
-Field types are limited to what :mod:`async_rl.transport.wire` validates
-generically from the type hints: ``int``, ``float``, ``str``, ``bool``,
-``list[int]``, ``list[str]``, ``dict[str, Any]``, ``Optional[...]`` of those, and
-``np.ndarray`` fields declared with :func:`array` (those travel as raw frames
-after the msgpack header, never inside it).
-
-Per-field bounds are declared with :func:`bounded` (for ``list[int]`` they apply
-to every element). Rules that relate several fields live in each class's
-``check`` method, which returns a rejection reason or ``None``.
+Each is a frozen dataclass with a ``KIND`` tag. :mod:`.wire` validates fields
+generically from the type hints (int, float, str, bool, list[int], list[str],
+dict[str, Any], Optional[...]) and :func:`bounded` metadata (applied per element
+for list[int]); ``np.ndarray`` fields declared with :func:`array` travel as raw
+frames. Cross-field rules live in ``check``, which returns a rejection reason.
 """
 
 from dataclasses import dataclass, field
@@ -30,9 +25,9 @@ def array(dtype: str, ndim: int) -> Any:
     return field(metadata={"dtype": dtype, "ndim": ndim})
 
 
-def bounded(lo: float | None = None, hi: float | None = None, **kwargs: Any) -> Any:
-    """Declare inclusive bounds on a numeric field (checked on decode)."""
-    return field(metadata={"min": lo, "max": hi}, **kwargs)
+def bounded(*, lo: float | None = None, hi: float | None = None) -> Any:
+    """Inclusive bounds on a numeric field, checked on decode (not a default)."""
+    return field(metadata={"min": lo, "max": hi})
 
 
 class Message:
@@ -51,7 +46,7 @@ class Hello(Message):
 
     KIND: ClassVar[str] = "hello"
     actor_name: str
-    pid: int = bounded(0)
+    pid: int = bounded(lo=0)
     host: str
 
 
@@ -60,10 +55,10 @@ class Welcome(Message):
     """hub -> actor: registration accepted."""
 
     KIND: ClassVar[str] = "welcome"
-    actor_id: int = bounded(0)
+    actor_id: int = bounded(lo=0)
     config_yaml: str
     experience_addr: str
-    version: int = bounded(0)
+    version: int = bounded(lo=0)
 
 
 @dataclass(frozen=True)
@@ -71,9 +66,9 @@ class WorkRequest(Message):
     """actor -> hub: ask for prompt groups; ``version`` = weights it will use."""
 
     KIND: ClassVar[str] = "work_request"
-    actor_id: int = bounded(0)
-    version: int = bounded(0)
-    max_groups: int = bounded(0)
+    actor_id: int = bounded(lo=0)
+    version: int = bounded(lo=0)
+    max_groups: int = bounded(lo=0)
 
 
 @dataclass(frozen=True)
@@ -81,8 +76,8 @@ class WorkGrant(Message):
     """hub -> actor: admitted prompt groups, as parallel lists."""
 
     KIND: ClassVar[str] = "work_grant"
-    groups: list[int] = bounded(0)  # admission indices
-    prompt_ids: list[int] = bounded(0)
+    groups: list[int] = bounded(lo=0)  # admission indices
+    prompt_ids: list[int] = bounded(lo=0)
     prompts: list[str]
     answers: list[str]
 
@@ -98,7 +93,7 @@ class Wait(Message):
     """hub -> actor: nothing admissible now; ask again after ``seconds``."""
 
     KIND: ClassVar[str] = "wait"
-    seconds: float = bounded(0.0)
+    seconds: float = bounded(lo=0.0)
 
 
 @dataclass(frozen=True)
@@ -106,12 +101,12 @@ class SyncOrder(Message):
     """hub -> actor: join the weight broadcast group of ``epoch`` now."""
 
     KIND: ClassVar[str] = "sync_order"
-    epoch: int = bounded(0)
-    rank: int = bounded(0)
-    world_size: int = bounded(1)
+    epoch: int = bounded(lo=0)
+    rank: int = bounded(lo=0)
+    world_size: int = bounded(lo=1)
     store_host: str
-    store_port: int = bounded(1, 65535)
-    version: int = bounded(0)
+    store_port: int = bounded(lo=1, hi=65535)
+    version: int = bounded(lo=0)
 
     def check(self, limits: "WireLimits") -> str | None:
         return "bad_value" if self.rank >= self.world_size else None
@@ -122,9 +117,9 @@ class SyncDone(Message):
     """actor -> hub: weights of ``version`` loaded."""
 
     KIND: ClassVar[str] = "sync_done"
-    actor_id: int = bounded(0)
-    epoch: int = bounded(0)
-    version: int = bounded(0)
+    actor_id: int = bounded(lo=0)
+    epoch: int = bounded(lo=0)
+    version: int = bounded(lo=0)
 
 
 @dataclass(frozen=True)
@@ -132,9 +127,9 @@ class Heartbeat(Message):
     """actor -> hub: still alive."""
 
     KIND: ClassVar[str] = "heartbeat"
-    actor_id: int = bounded(0)
-    version: int = bounded(0)
-    generated_groups: int = bounded(0)
+    actor_id: int = bounded(lo=0)
+    version: int = bounded(lo=0)
+    generated_groups: int = bounded(lo=0)
 
 
 @dataclass(frozen=True)
@@ -151,17 +146,17 @@ class ExperienceGroup(Message):
     """actor -> learner: ONE prompt group (G responses, right-padded to T)."""
 
     KIND: ClassVar[str] = "experience_group"
-    actor_id: int = bounded(0)
-    group: int = bounded(0)  # admission index
-    prompt_id: int = bounded(0)
-    version: int = bounded(0)  # oldest token version in the group
+    actor_id: int = bounded(lo=0)
+    group: int = bounded(lo=0)  # admission index
+    prompt_id: int = bounded(lo=0)
+    version: int = bounded(lo=0)  # oldest token version in the group
     prompt_tokens: np.ndarray = array("int32", 1)  # [P]
     response_tokens: np.ndarray = array("int32", 2)  # [G, T], padded with pad id
     response_lengths: np.ndarray = array("int32", 1)  # [G]
     logprobs: np.ndarray = array("float32", 2)  # [G, T], sampling distribution
     token_versions: np.ndarray = array("int32", 2)  # [G, T]
     rewards: np.ndarray = array("float32", 1)  # [G]
-    gen_seconds: float = bounded(0.0)
+    gen_seconds: float = bounded(lo=0.0)
     greedy_reward: Optional[float] = None  # ReMax baseline, when computed
 
     def check(self, limits: "WireLimits") -> str | None:
@@ -195,18 +190,6 @@ class ExperienceGroup(Message):
         return None
 
 
-MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.KIND: cls
-    for cls in (
-        Hello,
-        Welcome,
-        WorkRequest,
-        WorkGrant,
-        Wait,
-        SyncOrder,
-        SyncDone,
-        Heartbeat,
-        Goodbye,
-        ExperienceGroup,
-    )
-}
+MESSAGE_TYPES: dict[str, type[Message]] = {cls.KIND: cls for cls in (
+    Hello, Welcome, WorkRequest, WorkGrant, Wait, SyncOrder, SyncDone, Heartbeat, Goodbye,
+    ExperienceGroup)}

@@ -1,14 +1,8 @@
-"""Encoding, decoding and validation of async-rl wire messages.
-
-A message is a list of frames. Frame 0 is a msgpack map
-``{"schema": 1, "kind": str, "body": {...}, "arrays": [{"name", "dtype", "shape"}]}``;
-frames 1..k are the raw little-endian, C-contiguous bytes of each array, in the
-order of ``arrays``. Nothing is ever pickled: a peer can only make us build the
-dataclasses of :mod:`.messages` out of plain values and numeric arrays.
-
-``decode`` raises only :class:`WireError`, whose ``reason`` is a short, stable
-snake_case code suitable for metrics; ``recv`` turns it into a counted rejection.
-"""
+"""Wire encoding: frame 0 = msgpack ``{"schema", "kind", "body", "arrays": [{"name",
+"dtype", "shape"}]}``, frames 1..k = raw little-endian C-contiguous array bytes, in
+``arrays`` order. Nothing is pickled: a peer can only make us build the dataclasses
+of :mod:`.messages` from plain values and numeric arrays. ``decode`` raises only
+:class:`WireError` (``reason``: a stable code for metrics); ``recv`` counts it."""
 
 import logging
 import math
@@ -28,12 +22,8 @@ from .messages import MESSAGE_TYPES, Message
 SCHEMA = 1
 
 # Byte order is pinned so that mixed-endian hosts would fail loudly, not silently.
-_DTYPES = {
-    "int32": np.dtype("<i4"),
-    "int64": np.dtype("<i8"),
-    "float32": np.dtype("<f4"),
-    "float16": np.dtype("<f2"),
-}
+_DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8"),
+           "float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 _HEADER_KEYS = frozenset({"schema", "kind", "body", "arrays"})
 _ARRAY_KEYS = frozenset({"name", "dtype", "shape"})
 _INT64_BOUND = 1 << 63  # ints must fit int64 so numpy/torch never overflow later
@@ -46,8 +36,7 @@ class WireError(Exception):
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
+        self.reason, self.detail = reason, detail
 
 
 @dataclass(frozen=True)
@@ -59,11 +48,8 @@ class WireLimits:
     max_tokens: int = 65536
 
 
-# ---------------------------------------------------------------- field specs
-
-
 @dataclass(frozen=True)
-class _Field:
+class _Field:  # one message field, compiled from its type hint and metadata
     name: str
     kind: str  # int | float | str | bool | list[int] | list[str] | dict | array
     optional: bool  # None is an allowed value
@@ -74,11 +60,9 @@ class _Field:
     ndim: int = 0
 
 
-_HINT_KINDS: dict[Any, str] = {
-    int: "int", float: "float", str: "str", bool: "bool",
-    list[int]: "list[int]", list[str]: "list[str]",
-    dict[str, Any]: "dict", np.ndarray: "array",
-}
+_HINT_KINDS: dict[Any, str] = {int: "int", float: "float", str: "str", bool: "bool",
+                               list[int]: "list[int]", list[str]: "list[str]",
+                               dict[str, Any]: "dict", np.ndarray: "array"}
 
 
 def _compile(cls: type) -> tuple[dict[str, _Field], dict[str, _Field]]:
@@ -86,7 +70,7 @@ def _compile(cls: type) -> tuple[dict[str, _Field], dict[str, _Field]]:
     hints = typing.get_type_hints(cls)
     body: dict[str, _Field] = {}
     arrays: dict[str, _Field] = {}
-    for f in fields(cls):
+    for f in fields(cls):  # ClassVars (KIND) are not dataclass fields
         hint, optional = hints[f.name], False
         if typing.get_origin(hint) in (Union, types.UnionType):
             args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -94,10 +78,9 @@ def _compile(cls: type) -> tuple[dict[str, _Field], dict[str, _Field]]:
         kind = _HINT_KINDS.get(hint)
         if kind is None or (optional and kind == "array"):
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported wire type {hints[f.name]}")
-        required = f.default is MISSING and f.default_factory is MISSING
-        meta = f.metadata
-        spec = _Field(f.name, kind, optional, required, meta.get("min"), meta.get("max"),
-                      meta.get("dtype", ""), meta.get("ndim", 0))
+        required, m = f.default is MISSING and f.default_factory is MISSING, f.metadata
+        spec = _Field(f.name, kind, optional, required, m.get("min"), m.get("max"),
+                      m.get("dtype", ""), m.get("ndim", 0))
         if kind == "array" and spec.dtype not in _DTYPES:
             raise TypeError(f"{cls.__name__}.{f.name}: array fields need array(dtype, ndim)")
         (arrays if kind == "array" else body)[f.name] = spec
@@ -106,108 +89,80 @@ def _compile(cls: type) -> tuple[dict[str, _Field], dict[str, _Field]]:
 
 # Compiled at import so that a badly declared message fails at once, not on first use.
 _SPECS = {kind: _compile(cls) for kind, cls in MESSAGE_TYPES.items()}
-
-
 _PLAIN_TYPES: dict[str, type] = {"str": str, "bool": bool, "dict": dict}
 
 
 def _check_range(f: _Field, v: float) -> None:
-    if (f.lo is not None and v < f.lo) or (f.hi is not None and v > f.hi):
-        raise WireError("bad_value", f.name)
-    if type(v) is int and not -_INT64_BOUND <= v < _INT64_BOUND:
+    if (f.lo is not None and v < f.lo) or (f.hi is not None and v > f.hi) \
+            or (type(v) is int and not -_INT64_BOUND <= v < _INT64_BOUND):
         raise WireError("bad_value", f.name)
 
 
 def _check_value(f: _Field, v: Any) -> Any:
     """Validate one decoded body value against its field; return the value to store."""
-    if v is None:
-        if f.optional:
-            return None
-        raise WireError("bad_field_type", f.name)
+    if v is None and f.optional:
+        return None
     # `type(...) is` rather than isinstance: bool is an int subclass and must not pass.
     if f.kind == "int" and type(v) is int:
         _check_range(f, v)
     elif f.kind == "float" and type(v) in (int, float):  # some encoders pack 1.0 as 1
-        v = float(v)
-        if not math.isfinite(v):
+        if not math.isfinite(v := float(v)):
             raise WireError("non_finite", f.name)
         _check_range(f, v)
     elif f.kind == "list[int]" and type(v) is list and all(type(x) is int for x in v):
         for x in v:
             _check_range(f, x)
-    elif f.kind == "list[str]" and type(v) is list and all(type(x) is str for x in v):
-        pass
-    elif not (f.kind in _PLAIN_TYPES and type(v) is _PLAIN_TYPES[f.kind]):
+    elif not (f.kind in _PLAIN_TYPES and type(v) is _PLAIN_TYPES[f.kind]) and not (
+            f.kind == "list[str]" and type(v) is list and all(type(x) is str for x in v)):
         raise WireError("bad_field_type", f.name)
     return v
 
 
-# ---------------------------------------------------------------- header unpacking
-
-
 def _reject_ext(code: int, data: bytes) -> Any:
-    raise WireError("bad_header", f"ext type {code}")
+    raise ValueError(f"ext type {code}")
 
 
 def _str_keys(obj: dict) -> dict:
     # strict_map_key still lets bytes keys through; field names are always str.
-    for key in obj:
-        if type(key) is not str:
-            raise WireError("bad_header", "non-str map key")
+    if any(type(key) is not str for key in obj):
+        raise ValueError("non-str map key")
     return obj
 
 
 def _unpack_header(view: memoryview, limits: WireLimits) -> Any:
+    """Unpack the subset of msgpack we accept: str keys, no ext types, bounded sizes."""
     n = limits.max_header_bytes
     try:
-        return msgpack.unpackb(
-            view, raw=False, strict_map_key=True, ext_hook=_reject_ext, object_hook=_str_keys,
-            max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=0,
-        )
-    except WireError:
-        raise
+        return msgpack.unpackb(view, raw=False, strict_map_key=True, ext_hook=_reject_ext,
+                               object_hook=_str_keys, max_str_len=n, max_bin_len=n,
+                               max_array_len=n, max_map_len=n, max_ext_len=0)
     except Exception as exc:  # msgpack raises a zoo of types for malformed input
-        raise WireError("not_msgpack", type(exc).__name__) from None
+        raise WireError("not_msgpack", f"{type(exc).__name__}: {exc}"[:80]) from None
 
 
 def _as_view(frame: Any) -> memoryview:
     """A flat byte view of a frame (bytes, memoryview or zmq.Frame), no copy."""
     try:
         view = memoryview(frame)
-        if not view.c_contiguous:
-            raise WireError("bad_frame", "non-contiguous buffer")
-        return view if view.ndim == 1 and view.format == "B" else view.cast("B")
-    except (TypeError, ValueError) as exc:
+        return view if view.ndim == 1 and view.format == "B" and view.c_contiguous else view.cast("B")
+    except (TypeError, ValueError) as exc:  # not a buffer, or not C-contiguous
         raise WireError("bad_frame", type(exc).__name__) from None
 
 
-# ---------------------------------------------------------------- encode / decode
+# Coerce to plain msgpack types (numpy scalars are not packable). operator.index
+# refuses floats for int fields: silent truncation would hide sender bugs.
+_TO_WIRE: dict[str, Any] = {"int": operator.index, "float": float, "bool": bool, "list[str]": list,
+                            "list[int]": lambda v: [operator.index(x) for x in v]}
 
 
 def _to_wire(f: _Field, v: Any) -> Any:
-    """Coerce a field value to plain msgpack types (numpy scalars are not packable)."""
-    if v is None:
-        return None
-    if f.kind == "int":
-        return operator.index(v)  # refuses floats: silent truncation would hide bugs
-    if f.kind == "float":
-        return float(v)
-    if f.kind == "bool":
-        return bool(v)
-    if f.kind == "list[int]":
-        return [operator.index(x) for x in v]
-    if f.kind == "list[str]":
-        return list(v)
-    return v
+    return None if v is None else _TO_WIRE.get(f.kind, lambda x: x)(v)
 
 
 def encode(msg: Message) -> list[bytes | memoryview]:
-    """Frames for ``msg``; arrays are memoryviews over their numpy buffers.
-
-    Arrays are converted to the declared dtype only when needed (that copies);
-    otherwise the frame aliases the caller's array, which must not be mutated
-    until the send completes.
-    """
+    """Frames for ``msg``. Arrays are cast to their declared dtype only when needed
+    (a copy); otherwise the frame aliases the caller's array: don't mutate it
+    until the send has completed."""
     cls = MESSAGE_TYPES.get(getattr(msg, "KIND", None))  # type: ignore[arg-type]
     if cls is None or type(msg) is not cls:
         raise TypeError(f"not a wire message: {type(msg).__name__}")
@@ -224,12 +179,11 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     return [msgpack.packb(header, use_bin_type=True), *payload]
 
 
-def _decode_arrays(
-    descs: Any, payload: list[memoryview], spec: dict[str, _Field], limits: WireLimits
-) -> dict[str, np.ndarray]:
+def _decode_arrays(descs: Any, payload: list[memoryview], spec: dict[str, _Field],
+                   limits: WireLimits) -> dict[str, np.ndarray]:
     if type(descs) is not list:
         raise WireError("bad_header", "arrays is not a list")
-    if len(descs) != len(payload):
+    if len(descs) != len(payload):  # before per-array checks: a truncated send is common
         raise WireError("frame_count", f"{len(descs)} arrays, {len(payload)} frames")
     out: dict[str, np.ndarray] = {}
     for desc, buf in zip(descs, payload):
@@ -237,10 +191,8 @@ def _decode_arrays(
             raise WireError("bad_header", "array descriptor")
         name, dtype, shape = desc["name"], desc["dtype"], desc["shape"]
         f = spec.get(name) if type(name) is str else None
-        if f is None:
-            raise WireError("unknown_field", repr(name)[:60])
-        if name in out:
-            raise WireError("bad_header", f"duplicate array {name}")
+        if f is None or name in out:
+            raise WireError("unknown_field", f"{name!r:.60} (unknown or repeated)")
         if type(dtype) is not str or dtype != f.dtype:
             raise WireError("bad_dtype", f"{name}: {repr(dtype)[:30]}")
         if type(shape) is not list or len(shape) != f.ndim or len(shape) > 2 \
@@ -252,13 +204,11 @@ def _decode_arrays(
         if buf.nbytes != math.prod(shape) * dt.itemsize:
             raise WireError("shape_mismatch", f"{name}: {buf.nbytes} bytes for {shape}")
         arr = np.frombuffer(buf, dtype=dt).reshape(shape)  # zero copy, aliases the frame
-        if not arr.flags.aligned:  # rare; vectorized kernels and torch want alignment
-            arr = arr.copy()
+        arr = arr if arr.flags.aligned else arr.copy()  # rare; torch wants alignment
         if dt.kind == "f" and not np.isfinite(arr).all():
             raise WireError("non_finite", name)
         out[name] = arr
-    missing = spec.keys() - out.keys()
-    if missing:
+    if missing := spec.keys() - out.keys():
         raise WireError("missing_field", min(missing))
     return out
 
@@ -281,45 +231,31 @@ def decode(frames: Sequence[Any], limits: WireLimits | None = None) -> Message:
         raise WireError("bad_schema", repr(header.get("schema"))[:30])
     if header.keys() != _HEADER_KEYS:
         raise WireError("bad_header", "header keys")
-    kind = header["kind"]
-    cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
+    cls = MESSAGE_TYPES.get(kind) if type(kind := header["kind"]) is str else None
     if cls is None:
         raise WireError("unknown_kind", repr(kind)[:60])
     body_spec, array_spec = _SPECS[kind]
-    body = header["body"]
-    if type(body) is not dict:
+    if type(body := header["body"]) is not dict:
         raise WireError("bad_header", "body is not a map")
-    for name in body:
-        if name not in body_spec:
-            raise WireError("unknown_field", f"{kind}.{name[:60]}")
-    values: dict[str, Any] = {}
-    for name, f in body_spec.items():
-        if name in body:
-            values[name] = _check_value(f, body[name])
-        elif f.required:
-            raise WireError("missing_field", f"{kind}.{name}")
+    if not body.keys() <= body_spec.keys():
+        raise WireError("unknown_field", f"{kind}: {sorted(body.keys() - body_spec.keys())!r:.60}")
+    if missing := [n for n, f in body_spec.items() if f.required and n not in body]:
+        raise WireError("missing_field", f"{kind}.{missing[0]}")
+    values = {name: _check_value(body_spec[name], v) for name, v in body.items()}
     values.update(_decode_arrays(header["arrays"], views[1:], array_spec, limits))
     msg = cls(**values)
-    reason = msg.check(limits)
-    if reason is not None:
+    if (reason := msg.check(limits)) is not None:
         raise WireError(reason, kind)
     return msg
 
 
-# ---------------------------------------------------------------- rejection accounting
-
-
 class RejectCounter:
-    """Thread-safe count of rejected messages by reason.
-
-    The first rejection of each reason is logged (a misbehaving peer would
-    otherwise flood the log); the rest only count, and surface as metrics.
-    """
+    """Thread-safe count of rejected messages by reason. Only the first of each
+    reason is logged: a misbehaving peer would otherwise flood the log."""
 
     def __init__(self, logger: logging.Logger = log) -> None:
-        self._lock = threading.Lock()
+        self._lock, self._log = threading.Lock(), logger
         self._counts: dict[str, int] = {}
-        self._log = logger
 
     def record(self, error: WireError) -> None:
         with self._lock:
@@ -343,29 +279,19 @@ class RejectCounter:
             return dict(self._counts)
 
 
-# ---------------------------------------------------------------- socket helpers
-
-
 def send(socket: zmq.Socket, msg: Message, *, identity: bytes | None = None, flags: int = 0) -> None:
     """Send ``msg``; on a ROUTER pass the peer's ``identity``. Arrays are not copied."""
-    frames: list[Any] = encode(msg)
-    if identity is not None:
-        frames.insert(0, identity)
+    frames = encode(msg) if identity is None else [identity, *encode(msg)]
     socket.send_multipart(frames, flags=flags, copy=False)
 
 
-def recv(
-    socket: zmq.Socket, limits: WireLimits, counter: RejectCounter, *, routed: bool, flags: int = 0
-) -> tuple[bytes | None, Message | None]:
-    """Receive one message: (identity if ``routed`` else None, message or None).
-
-    An invalid message is counted in ``counter`` and yields None; zmq errors
-    (zmq.Again on timeout or NOBLOCK) propagate to the caller.
-    """
+def recv(socket: zmq.Socket, limits: WireLimits, counter: RejectCounter, *, routed: bool,
+         flags: int = 0) -> tuple[bytes | None, Message | None]:
+    """One message: (identity if ``routed`` else None, message or None when invalid,
+    counted in ``counter``). zmq errors (zmq.Again on timeout) propagate."""
     parts = socket.recv_multipart(flags=flags, copy=False)
-    identity = None
-    if routed:  # a ROUTER prepends the sending DEALER's identity frame
-        identity, parts = parts[0].bytes, parts[1:]
+    # A ROUTER prepends the sending DEALER's identity frame.
+    identity, parts = (parts[0].bytes, parts[1:]) if routed else (None, parts)
     try:
         return identity, decode(parts, limits)
     except WireError as err:

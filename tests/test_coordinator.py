@@ -1,0 +1,135 @@
+"""The coordinator over real ZeroMQ sockets, driven by a hand-written actor."""
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from async_rl.config import build_config
+from async_rl.roles.coordinator import Coordinator
+from async_rl.tasks import make_task
+from async_rl.transport import (ExperienceGroup, Goodbye, Hello, RejectCounter, Wait, Welcome, WireLimits,
+                                WorkGrant, WorkRequest, encode, recv, send)
+from async_rl.weight_sync import WeightBroadcaster
+
+G = 2
+
+
+@pytest.fixture
+def hub(tmp_path):
+    cfg = build_config({"max_staleness": 0, "train": {"batch_groups": 4, "group_size": G},
+                        "learner": {"ranks": 1}, "transport": {"timeout_s": 5}})
+    task = make_task("arithmetic", seed=0)
+    bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
+                           device=torch.device("cpu"), timeout_s=5)
+    coord = Coordinator(cfg, task, bc, tmp_path)
+    coord.start()
+    ctx = zmq.Context()
+    yield coord, ctx, task
+    coord.stop(drain_s=0.2)
+    bc.close()
+    ctx.destroy(linger=0)
+
+
+def dealer(ctx, addr):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(addr)
+    return s
+
+
+def ask(sock, msg):
+    send(sock, msg)
+    _, reply = recv(sock, WireLimits(), RejectCounter(), routed=False)
+    return reply
+
+
+def group_msg(actor_id, index, prompt_id, version=0, logprob=-0.5):
+    T = 3
+    return ExperienceGroup(
+        actor_id=actor_id, group=index, prompt_id=prompt_id, version=version,
+        prompt_tokens=np.array([1, 5, 6, 7], dtype=np.int32), response_tokens=np.full((G, T), 4, dtype=np.int32),
+        response_lengths=np.array([3, 2], dtype=np.int32), logprobs=np.full((G, T), logprob, dtype=np.float32),
+        token_versions=np.full((G, T), version, dtype=np.int32), rewards=np.array([1.0, 0.0], dtype=np.float32),
+        gen_seconds=0.1)
+
+
+def wait_for(pred, timeout=5.0):
+    deadline = time.time() + timeout
+    while not pred() and time.time() < deadline:
+        time.sleep(0.01)
+    return pred()
+
+
+def test_register_grant_admission_and_experience(hub, tmp_path):
+    coord, ctx, task = hub
+    sock = dealer(ctx, coord.hub_addr)
+    welcome = ask(sock, Hello(actor_name="t", pid=1, host="h"))
+    assert isinstance(welcome, Welcome) and "max_staleness: 0" in welcome.config_yaml
+    endpoints = json.loads((tmp_path / "endpoints.json").read_text())
+    assert endpoints["hub"] == coord.hub_addr and endpoints["actors"][0]["pid"] == 1
+    assert endpoints["hub"].startswith("tcp://127.0.0.1:")
+
+    grant = ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=3))
+    assert isinstance(grant, WorkGrant) and grant.groups == [0, 1, 2]
+    assert grant.prompts[0] == task.train_prompt(0).text
+    # Synchronous bound: 4 groups per version, one more fits, then nothing.
+    assert ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=3)).groups == [3]
+    assert isinstance(ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=3)), Wait)
+
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(coord.experience_addr)
+    for i in range(4):
+        push.send_multipart(encode(group_msg(welcome.actor_id, i, grant.prompt_ids[0] if i == 0 else task.train_prompt(i).id)))
+    assert wait_for(lambda: len(coord.buffer) == 4)
+    taken = coord.buffer.take(4, learner_version=0, timeout=1)
+    assert taken.indices == [0, 1, 2, 3] and coord.rejects.total == 0
+
+
+def test_inconsistent_and_malformed_messages_are_counted_not_fatal(hub):
+    coord, ctx, task = hub
+    sock = dealer(ctx, coord.hub_addr)
+    welcome = ask(sock, Hello(actor_name="t", pid=1, host="h"))
+    ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=1))
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(coord.experience_addr)
+    push.send_multipart(encode(group_msg(welcome.actor_id, 2, task.train_prompt(2).id)))  # never granted
+    push.send_multipart(encode(group_msg(welcome.actor_id + 9, 0, task.train_prompt(0).id)))  # wrong actor
+    push.send_multipart(encode(group_msg(welcome.actor_id, 0, task.train_prompt(0).id, version=7)))  # future
+    push.send_multipart([b"\x00garbage"])
+    push.send_multipart([b"\x81\xa6schema\x02", b"x"])
+    sock.send_multipart([b"not msgpack at all"])
+    assert wait_for(lambda: coord.rejects.total == 6)
+    reasons = coord.rejects.by_reason()
+    assert reasons["not_granted"] == 2 and reasons["bad_version"] == 1
+    # Unknown actors are told to register.
+    assert isinstance(ask(sock, WorkRequest(actor_id=99, version=0, max_groups=1)), Goodbye)
+    # Still serving: the real group is accepted.
+    push.send_multipart(encode(group_msg(welcome.actor_id, 0, task.train_prompt(0).id)))
+    assert wait_for(lambda: len(coord.buffer) == 1)
+
+
+def test_silent_actor_is_removed_and_its_prompts_reissued(hub):
+    coord, ctx, task = hub
+    coord.cfg.actors.heartbeat_timeout_s = 0.3
+    a = dealer(ctx, coord.hub_addr)
+    wa = ask(a, Hello(actor_name="a", pid=1, host="h"))
+    assert ask(a, WorkRequest(actor_id=wa.actor_id, version=0, max_groups=2)).groups == [0, 1]
+    assert wait_for(lambda: coord.live_actors == 0)
+    b = dealer(ctx, coord.hub_addr)
+    wb = ask(b, Hello(actor_name="b", pid=2, host="h"))
+    assert ask(b, WorkRequest(actor_id=wb.actor_id, version=0, max_groups=4)).groups == [0, 1, 2, 3]
+
+
+def test_stop_says_goodbye(hub):
+    coord, ctx, _ = hub
+    sock = dealer(ctx, coord.hub_addr)
+    welcome = ask(sock, Hello(actor_name="t", pid=1, host="h"))
+    coord._drain_s = 2.0
+    coord._stopping.set()
+    assert isinstance(ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=1)), Goodbye)

@@ -1,0 +1,117 @@
+"""`async-rl train` as real processes on loopback: 2 FSDP2 learner ranks + actors."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from async_rl.metrics import EVAL_KEYS, STEP_KEYS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory):
+    """The demo architecture and tokenizer, barely trained (these tests check plumbing, not learning)."""
+    from async_rl.models import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("model") / "demo", seed=0, target_accuracy=0.0,
+                            min_mixed_fraction=0.0)
+
+
+def train(run_dir: Path, model: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run_dir}",
+           f"model.path={model}", "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4",
+           "task.eval_size=32", "eval.every=2", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def read_metrics(run_dir: Path):
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [l for l in lines if "loss/total" in l]
+    evals = [l for l in lines if "eval/accuracy" in l]
+    return steps, evals
+
+
+def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):
+    run = tmp_path / "run"
+    train(run, demo_model, "train.max_steps=4", "max_staleness=2")
+    steps, evals = read_metrics(run)
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    for s in steps:
+        assert set(STEP_KEYS) <= s.keys()
+        assert s["staleness/max"] <= 2 and s["staleness/dropped"] == 0 and s["actors/live"] == 1
+        assert s["wire/rejected"] == 0
+    assert [e["step"] for e in evals] == [0, 2, 4] and all(set(EVAL_KEYS) <= e.keys() for e in evals)
+    assert steps[-1]["data/prompts_consumed"] == 4 * 8
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    cfg_text = (run / "config.yaml").read_text()
+    assert "max_staleness: 2" in cfg_text and f"path: {demo_model}" in cfg_text
+    endpoints = json.loads((run / "endpoints.json").read_text())
+    assert endpoints["hub"].startswith("tcp://127.0.0.1:") and endpoints["learner_pid"] > 0
+    assert (run / "checkpoints" / "step_000004" / "coordinator.json").exists()
+
+    # final/ is a Hugging Face directory that transformers loads and that generates.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    out = model.generate(**tok("12+34=", return_tensors="pt"), max_new_tokens=3, do_sample=False)
+    assert out.shape[1] > len(tok("12+34=")["input_ids"])
+
+
+def test_synchronous_baseline_has_zero_staleness(tmp_path, demo_model):
+    run = tmp_path / "sync"
+    train(run, demo_model, "train.max_steps=3", "max_staleness=0", "actors.count=2", "learner.ranks=1")
+    steps, _ = read_metrics(run)
+    assert len(steps) == 3
+    assert all(s["staleness/max"] == 0 and s["staleness/mean"] == 0 for s in steps)
+    assert steps[-1]["actors/live"] == 2
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "\nState:\tZ" in status.read_text())
+
+
+def test_ctrl_c_stops_every_process_after_a_checkpoint(tmp_path, demo_model):
+    import signal
+    import time
+
+    run = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run}",
+           f"model.path={demo_model}", "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4",
+           "task.eval_size=32", "train.max_steps=100000", "actors.count=2"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            metrics = run / "metrics.jsonl"
+            if metrics.exists() and '"loss/total"' in metrics.read_text():
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("no training step within 120 s")
+        endpoints = json.loads((run / "endpoints.json").read_text())
+        pids = [endpoints["learner_pid"]] + [a["pid"] for a in endpoints["actors"]]
+        assert len(pids) == 3
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert list((run / "checkpoints").glob("step_*/coordinator.json"))
+    assert (run / "final" / "config.json").exists()
+    time.sleep(0.5)
+    assert not [p for p in pids if _alive(p)], "orphan processes left behind"

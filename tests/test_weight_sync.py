@@ -1,0 +1,82 @@
+"""Bucket planning, and a real gloo broadcast from WeightBroadcaster to two receivers."""
+import threading
+import time
+
+import torch
+
+from async_rl.weight_sync import WeightBroadcaster, WeightReceiver, plan_buckets
+
+
+def specs(params):
+    return [(n, tuple(p.shape), p.dtype) for n, p in params]
+
+
+def test_plan_buckets_respects_size_and_dtype():
+    s = [("a", (10,), torch.float32), ("b", (300,), torch.float32), ("c", (5, 2), torch.float16),
+         ("d", (20,), torch.float32)]
+    plan = plan_buckets(s, bucket_bytes=400)  # 100 float32
+    names = [[e.name for e in b.entries] for b in plan]
+    assert ["a"] in names and ["b"] in names  # b alone exceeds the bucket: its own bucket
+    assert all(b.numel * torch.empty((), dtype=b.dtype).element_size() <= 400 or len(b.entries) == 1 for b in plan)
+    assert {e.name for b in plan for e in b.entries} == {"a", "b", "c", "d"}
+    for b in plan:
+        offsets = [e.offset for e in b.entries]
+        assert offsets == sorted(offsets) and sum(e.numel for e in b.entries) == b.numel
+        assert all(e.name != "c" or b.dtype == torch.float16 for e in b.entries)
+
+
+def make_params(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [("embed", torch.randn(16, 8, generator=g)), ("layer.w", torch.randn(8, 8, generator=g)),
+            ("layer.b", torch.randn(8, generator=g)), ("head", torch.randn(4, 8, generator=g))]
+
+
+def test_broadcast_reaches_all_receivers_and_follows_membership():
+    source = make_params(0)
+    bc = WeightBroadcaster(specs(source), bucket_mb=0.0005, host="127.0.0.1", backend="gloo",
+                           device=torch.device("cpu"), timeout_s=20)
+    receivers = {k: (make_params(k + 10), None) for k in (3, 7)}
+    try:
+        bc.set_members([3, 7])
+        bc.publish(5, iter(source))
+        job = None
+        for _ in range(200):
+            job = bc.job()
+            if job is not None:
+                break
+            time.sleep(0.01)
+        assert job is not None and job.version == 5 and job.members == (3, 7)
+
+        def receive(actor_id):
+            params, _ = receivers[actor_id]
+            r = WeightReceiver(params, bucket_mb=0.0005, backend="gloo", timeout_s=20)
+            r.receive(epoch=job.epoch, rank=job.rank_of(actor_id), world_size=3, store_host=bc.host,
+                      store_port=bc.port)
+
+        threads = [threading.Thread(target=receive, args=(k,)) for k in (3, 7)]
+        [t.start() for t in threads]
+        [t.join(timeout=30) for t in threads]
+        for k in (3, 7):
+            for (name, want), (_, got) in zip(source, receivers[k][0]):
+                assert torch.equal(want, got), name
+        deadline = time.time() + 10
+        while bc.completed < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        assert bc.completed == 1 and bc.sent_version == 5 and len(bc.plan) > 1
+    finally:
+        bc.close()
+
+
+def test_missing_member_fails_with_timeout_instead_of_hanging():
+    source = make_params(0)
+    bc = WeightBroadcaster(specs(source), bucket_mb=1, host="127.0.0.1", backend="gloo",
+                           device=torch.device("cpu"), timeout_s=1.0)
+    try:
+        bc.set_members([1])
+        bc.publish(1, iter(source))
+        deadline = time.time() + 15
+        while bc.failures == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert bc.failures >= 1
+    finally:
+        bc.close()
