@@ -122,6 +122,28 @@ def train(cfg: Config) -> int:
         _wait_all([learner, *actors], 5.0)
         for s, handler in old.items():
             signal.signal(s, handler)
+    print_summary(run_dir)
     if interrupted:
         return 130
     return learner.returncode if learner.returncode is not None else 1
+
+
+def print_summary(run_dir: Path) -> None:
+    """A few lines at the end of a run: where it is and how it went."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [l for l in lines if "loss/total" in l]
+    evals = [l for l in lines if "eval/accuracy" in l]
+    if not steps:
+        return
+    last = steps[-1]
+    print(f"async-rl: {last['step']} steps in {last['time']:.0f}s, {last['train/samples']} samples "
+          f"({last['train/samples'] / max(last['time'], 1e-9):.0f}/s); staleness mean "
+          f"{sum(s['staleness/mean'] for s in steps) / len(steps):.2f}, max {max(s['staleness/max'] for s in steps)}, "
+          f"dropped {last['staleness/dropped']}; rejected messages {last['wire/rejected']}", file=sys.stderr)
+    if evals:
+        print(f"async-rl: eval accuracy {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "
+              f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})", file=sys.stderr)
+    print(f"async-rl: model in {run_dir / 'final'}; tensorboard --logdir {run_dir / 'tb'}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,10 @@ class MetricsLogger:
         self.start = start_time if start_time is not None else time.time()
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
-        self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step",
-                         dynamic_ncols=True, disable=not progress)
+        # Redraw often on a terminal, rarely in a log file.
+        interactive = sys.stderr.isatty()
+        self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True,
+                         disable=not progress, mininterval=0.2 if interactive else 15.0)
         self._last_eval: float | None = None
 
     def elapsed(self) -> float:

@@ -6,6 +6,13 @@ import torch
 from .config import Config
 
 
+def quiet_libraries() -> None:
+    """Per-load progress bars from transformers would drown the run's own progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -67,7 +67,8 @@ def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):
 
 def test_synchronous_baseline_has_zero_staleness(tmp_path, demo_model):
     run = tmp_path / "sync"
-    train(run, demo_model, "train.max_steps=3", "max_staleness=0", "actors.count=2", "learner.ranks=1")
+    train(run, demo_model, "train.max_steps=3", "max_staleness=0", "actors.count=2", "learner.ranks=1",
+          "train.loss=opmd")
     steps, _ = read_metrics(run)
     assert len(steps) == 3
     assert all(s["staleness/max"] == 0 and s["staleness/mean"] == 0 for s in steps)
@@ -115,3 +116,14 @@ def test_ctrl_c_stops_every_process_after_a_checkpoint(tmp_path, demo_model):
     assert (run / "final" / "config.json").exists()
     time.sleep(0.5)
     assert not [p for p in pids if _alive(p)], "orphan processes left behind"
+
+
+def test_jsonl_task_with_reward_function_and_rloo(tmp_path, demo_model):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(10, 30) for b in range(40, 45)))
+    run = tmp_path / "jsonl"
+    train(run, demo_model, "train.max_steps=2", "learner.ranks=1", "task.name=jsonl", f"task.train_path={data}",
+          "task.reward=async_rl.tasks.arithmetic:exact_match", "train.advantage=rloo")
+    steps, evals = read_metrics(run)
+    assert len(steps) == 2 and evals and 0.0 <= evals[-1]["eval/accuracy"] <= 1.0

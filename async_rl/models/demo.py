@@ -41,11 +41,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     core.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
+        tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
         model_max_length=64,
     )
 
@@ -92,7 +88,7 @@ def greedy_responses(
     Special tokens other than ``<eos>`` are kept in the text, so they never pass as
     a correct answer.
     """
-    ids, mask = _left_pad([tokenizer(p)["input_ids"] for p in prompts])
+    ids, mask = _left_pad(tokenizer(list(prompts))["input_ids"])
     out = torch.empty((len(prompts), 0), dtype=torch.long)
     for _ in range(max_new_tokens):
         logits = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
@@ -116,39 +112,40 @@ def greedy_accuracy(
     return sum(task.reward(p.text, r, p.answer) for p, r in zip(prompts, responses)) / len(prompts)
 
 
-def _teacher_forced_batch(
-    tokenizer: PreTrainedTokenizerFast, prompts: Sequence[Prompt]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, attention mask, labels
+
+
+def _teacher_forced_batch(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[Prompt]) -> Batch:
     """``<bos> prompt answer <eos>``, right-padded; labels only on answer and ``<eos>``."""
-    seqs, n_prompt = [], []
-    for p in prompts:
-        head = tokenizer(p.text)["input_ids"]
-        tail = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [EOS_ID]
-        seqs.append(head + tail)
-        n_prompt.append(len(head))
+    # Two batched tokenizer calls: per-prompt calls cost more than the model step.
+    heads = tokenizer([p.text for p in prompts])["input_ids"]
+    tails = tokenizer([p.answer for p in prompts], add_special_tokens=False)["input_ids"]
+    seqs = [h + t + [EOS_ID] for h, t in zip(heads, tails)]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
     mask = torch.zeros_like(ids)
     labels = torch.full_like(ids, -100)
-    for i, (s, n) in enumerate(zip(seqs, n_prompt)):
+    for i, (s, h) in enumerate(zip(seqs, heads)):
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
-        labels[i, n : len(s)] = torch.tensor(s[n:])
+        labels[i, len(h) : len(s)] = ids[i, len(h) : len(s)]
     return ids, mask, labels
 
 
 @torch.no_grad()
 def answer_statistics(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: Sequence[Prompt]
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: Sequence[Prompt] | Batch
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One teacher-forced pass over ``<bos> prompt answer <eos>``.
 
     Returns ``(greedy_exact, p_correct)`` per prompt: whether greedy decoding yields
     exactly ``answer <eos>`` (true iff the argmax is the right token at every answer
     position, given the right prefix), and the probability that sampling at
-    temperature 1 yields it. Four times cheaper than decoding.
+    temperature 1 yields it. Four times cheaper than decoding. ``prompts`` may be
+    an already encoded batch, so a fixed eval set is tokenized once.
     """
-    ids, mask, labels = _teacher_forced_batch(tokenizer, prompts)
+    is_encoded = isinstance(prompts, tuple) and isinstance(prompts[0], torch.Tensor)
+    ids, mask, labels = prompts if is_encoded else _teacher_forced_batch(tokenizer, prompts)
     logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
     target, on = labels[:, 1:], labels[:, 1:] != -100
     tok_logp = torch.log_softmax(logits, -1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
@@ -167,6 +164,7 @@ def _warm_start(
 ) -> dict[str, Any]:
     """Teacher-forced training until the first check that meets both stop criteria."""
     eval_set = task.eval_prompts()
+    eval_batch = _teacher_forced_batch(tokenizer, eval_set)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     start = time.perf_counter()
     for step in range(1, max_steps + 1):
@@ -182,7 +180,7 @@ def _warm_start(
         model.eval()
         # Cheap gate first (one forward pass); the real greedy decode, scored by the
         # task's own reward, then decides.
-        exact, p_correct = answer_statistics(model, tokenizer, eval_set)
+        exact, p_correct = answer_statistics(model, tokenizer, eval_batch)
         mixed = mixed_group_fraction(p_correct)
         if exact.float().mean().item() < target_accuracy or mixed < min_mixed_fraction:
             continue

@@ -23,7 +23,7 @@ from ..engines import make_engine
 from ..transport import (ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder, Wait,
                          Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
 from ..weight_sync import WeightReceiver
-from ..runtime import load_tokenizer, make_task_from_config, resolve_device, sync_backend
+from ..runtime import load_tokenizer, make_task_from_config, quiet_libraries, resolve_device, sync_backend
 
 log = logging.getLogger("async_rl.actor")
 
@@ -75,6 +75,7 @@ def run_actor(hub_addr: str, name: str | None = None) -> int:
         log.error("hub refused registration: %s", welcome)
         return 1
     cfg: Config = from_yaml(welcome.config_yaml)
+    quiet_libraries()
     torch.set_num_threads(cfg.actors.threads)
     hub.sock.setsockopt(zmq.RCVTIMEO, int(cfg.transport.timeout_s * 1000))
     device = resolve_device(cfg.model.device)

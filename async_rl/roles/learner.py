@@ -30,7 +30,7 @@ from ..batching import Batch, build_batch, scatter_batch
 from ..checkpoint import save_checkpoint, save_hf_model
 from ..config import Config, load_config
 from ..evaluation import evaluate
-from ..runtime import load_tokenizer, make_task_from_config, resolve_device, sync_backend
+from ..runtime import load_tokenizer, make_task_from_config, quiet_libraries, resolve_device, sync_backend
 
 log = logging.getLogger("async_rl.learner")
 
@@ -151,7 +151,7 @@ class Learner:
                                              timeout_s=cfg.sync.timeout_s)
         self.coordinator = Coordinator(cfg, self.task, self.broadcaster, self.run_dir)
         self.coordinator.start()
-        self.metrics = MetricsLogger(self.run_dir, cfg.train.max_steps, progress=sys.stderr.isatty() or True)
+        self.metrics = MetricsLogger(self.run_dir, cfg.train.max_steps)
 
     # -- pieces of a step -------------------------------------------------------
     def _next_batch(self) -> tuple[Batch | None, dict[str, float]]:
@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_config(argv[0])
+    quiet_libraries()
     device = resolve_device(cfg.model.device)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
