@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,13 +35,8 @@ def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     dist.barrier()
 
 
-def save_hf_model(model: torch.nn.Module, full_params: Iterator[tuple[str, torch.Tensor]], tokenizer,
-                  out_dir: Path) -> None:
-    """Write `full_params` into a plain (unsharded) HF model and save it with its tokenizer."""
-    named = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, tensor in full_params:
-            named[name].copy_(tensor)
+def save_hf_model(model: torch.nn.Module, tokenizer, out_dir: Path) -> None:
+    """Save a plain (unsharded) HF model with its tokenizer, atomically."""
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)

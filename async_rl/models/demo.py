@@ -36,9 +36,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()  # join characters without the WordLevel spaces
-    core.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", BOS_ID)]
-    )
+    pair = "<bos> $A <bos> $B"
+    core.post_processor = processors.TemplateProcessing(single="<bos> $A", pair=pair, special_tokens=[("<bos>", BOS_ID)])
     core.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
@@ -72,11 +71,6 @@ def _left_pad(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor
     return ids, mask
 
 
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    # Left padding shifts real tokens right; positions must still start at 0.
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
 @torch.no_grad()
 def greedy_responses(
     model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_new_tokens: int
@@ -91,7 +85,9 @@ def greedy_responses(
     ids, mask = _left_pad(tokenizer(list(prompts))["input_ids"])
     out = torch.empty((len(prompts), 0), dtype=torch.long)
     for _ in range(max_new_tokens):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
+        # Left padding shifts real tokens right; positions must still start at 0.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         out = torch.cat([out, nxt], 1)
         ids = torch.cat([ids, nxt], 1)
@@ -166,7 +162,7 @@ def _warm_start(
     eval_set = task.eval_prompts()
     eval_batch = _teacher_forced_batch(tokenizer, eval_set)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    start = time.perf_counter()
+    start, near = time.perf_counter(), False
     for step in range(1, max_steps + 1):
         model.train()
         batch = [task.train_prompt((step - 1) * batch_size + i) for i in range(batch_size)]
@@ -175,14 +171,17 @@ def _warm_start(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if step % check_every:
+        # Accuracy can jump by 0.2 within a few steps here; once halfway to the
+        # target, check every step so the stop does not overshoot.
+        if step % check_every and not near:
             continue
         model.eval()
         # Cheap gate first (one forward pass); the real greedy decode, scored by the
         # task's own reward, then decides.
         exact, p_correct = answer_statistics(model, tokenizer, eval_batch)
-        mixed = mixed_group_fraction(p_correct)
-        if exact.float().mean().item() < target_accuracy or mixed < min_mixed_fraction:
+        gate, mixed = exact.float().mean().item(), mixed_group_fraction(p_correct)
+        near = gate >= target_accuracy / 2
+        if gate < target_accuracy or mixed < min_mixed_fraction:
             continue
         accuracy = greedy_accuracy(model, tokenizer, task, eval_set)
         if accuracy >= target_accuracy:
@@ -206,7 +205,8 @@ def build_demo_model(
 ) -> Path:
     """Write the demo policy to ``out_dir`` and return that path.
 
-    Training stops at the first check (every ``check_every`` steps) where held-out
+    Training stops at the first check (every ``check_every`` steps, every step once
+    halfway to the target) where held-out
     greedy accuracy reaches ``target_accuracy`` and at least ``min_mixed_fraction``
     of 8-sample groups are expected to be mixed (see module docstring).
     Deterministic given ``seed`` and ``num_threads``. One thread by default: the

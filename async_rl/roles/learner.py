@@ -10,6 +10,7 @@ Run with: torchrun --nproc-per-node R -m async_rl.roles.learner RUN_DIR/config.y
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import math
@@ -109,7 +110,8 @@ def train_step(cfg: Config, model, optimizer, local: Batch, denominator: float, 
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(sums)  # gloo/NCCL sum over ranks; CPU tensor is fine for gloo
+    sums = sums.to(local.tokens.device)  # NCCL reduces device tensors only
+    dist.all_reduce(sums)
     loss_total, clip_d, sw, sw2, ntok, d = sums.tolist()
     return {"loss/total": loss_total, "is/clip_frac": clip_d / max(d, 1e-12),
             "is/ess": (sw * sw) / max(ntok * sw2, 1e-12), "learner/grad_norm": float(grad_norm)}
@@ -177,7 +179,7 @@ class Learner:
                         "denominator": global_denominator(cfg, batch, len(taken.groups))}
         # [denominator, stop]: one small broadcast keeps every rank in lock-step.
         control = torch.tensor([info.get("denominator", 0.0), float(self.rank == 0 and batch is None)],
-                               dtype=torch.float64)
+                               dtype=torch.float64, device=self.device)
         dist.broadcast(control, src=0)
         if control[1] > 0:
             return None, {}
@@ -185,26 +187,30 @@ class Learner:
         info["denominator"] = float(control[0])
         return local, info
 
-    def _sync_weights(self) -> float:
-        started = time.monotonic()
+    def _gather(self, consume) -> None:
+        """Gather full parameters one tensor at a time (a collective on every rank);
+        rank 0 hands the (name, tensor) stream to `consume`."""
         params = full_parameters(self.model)
         if self.rank == 0:
-            self.broadcaster.publish(self.version, params)
+            consume(params)
         else:
-            for _ in params:  # take part in every gather
-                pass
+            collections.deque(params, maxlen=0)
+
+    def _sync_weights(self) -> float:
+        started = time.monotonic()
+        self._gather(lambda params: self.broadcaster.publish(self.version, params))
         return time.monotonic() - started
 
-    def _evaluate(self) -> None:
-        params = full_parameters(self.model)
-        if self.rank != 0:
-            for _ in params:
-                pass
-            return
+    def _load_eval_copy(self, params) -> None:
+        named = dict(self.eval_engine.parameters_for_sync())
         with torch.no_grad():
-            named = dict(self.eval_engine.parameters_for_sync())
             for name, full in params:
                 named[name].copy_(full)
+
+    def _evaluate(self) -> None:
+        self._gather(self._load_eval_copy)
+        if self.rank != 0:
+            return
         result = evaluate(self.eval_engine, self.tokenizer, self.task, max_new_tokens=self.cfg.actors.max_new_tokens)
         self.metrics.log({"step": self.version, "version": self.version, "eval/accuracy": result.accuracy,
                           "eval/reward_mean": result.reward_mean})
@@ -249,15 +255,12 @@ class Learner:
     def _finish(self) -> None:
         save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.version:06d}", self.model, self.optimizer,
                         self._coordinator_state() if self.rank == 0 else None)
-        params = full_parameters(self.model)
         if self.rank == 0:
-            save_hf_model(self.eval_engine.model, params, self.tokenizer, self.run_dir / "final")
+            # The final evaluation just loaded the final weights into the eval copy.
+            save_hf_model(self.eval_engine.model, self.tokenizer, self.run_dir / "final")
             self.coordinator.stop()
             self.broadcaster.close()
             self.metrics.close()
-        else:
-            for _ in params:
-                pass
 
     def _coordinator_state(self) -> dict:
         c = self.coordinator
