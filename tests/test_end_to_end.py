@@ -56,6 +56,10 @@ def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):
     assert endpoints["hub"].startswith("tcp://127.0.0.1:") and endpoints["learner_pid"] > 0
     assert (run / "checkpoints" / "step_000004" / "coordinator.json").exists()
 
+    table = subprocess.run([sys.executable, str(ROOT / "analysis/summarize.py"), str(run), "--target", "0.0"],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "| run | 2 | 4 | 0 steps" in table and "| 0 |" in table
+
     # final/ is a Hugging Face directory that transformers loads and that generates.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

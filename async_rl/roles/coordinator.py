@@ -62,6 +62,7 @@ class Coordinator:
         self.reissue: deque[int] = deque()  # indices whose actor died before delivering
         self._next_actor_id = 0
         self._stopping = threading.Event()
+        self._drain_s = 3.0
         self._stopped = threading.Event()
         self._ready = threading.Event()
         self.hub_addr = self.experience_addr = ""
