@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import subprocess_env
 
 from async_rl.config import ConfigError, from_yaml, load_config, reference_markdown, to_yaml
 
@@ -37,7 +38,8 @@ def test_bad_values_name_the_key(override, key):
 
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"),
-                           "train.loss=xyz", f"run_dir={tmp_path / 'r'}"], capture_output=True, text=True, timeout=60)
+                           "train.loss=xyz", f"run_dir={tmp_path / 'r'}"], capture_output=True, text=True, timeout=60,
+                          env=subprocess_env())
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "train.loss" in lines[0]
@@ -46,7 +48,7 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
 
 def test_cli_missing_config_file_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(tmp_path / "nope.yaml")],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=subprocess_env())
     assert proc.returncode == 2 and "nope.yaml" in proc.stderr
 
 

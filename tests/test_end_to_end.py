@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import subprocess_env
 
 from async_rl.metrics import EVAL_KEYS, STEP_KEYS
 
@@ -25,7 +26,7 @@ def train(run_dir: Path, model: Path, *overrides: str, timeout: int = 240) -> su
     cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run_dir}",
            f"model.path={model}", "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4",
            "task.eval_size=32", "eval.every=2", *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = subprocess_env()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -96,7 +97,7 @@ def test_ctrl_c_stops_every_process_after_a_checkpoint(tmp_path, demo_model):
     cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run}",
            f"model.path={demo_model}", "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4",
            "task.eval_size=32", "train.max_steps=100000", "actors.count=2"]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import subprocess_env
 import torch
 from safetensors.torch import load_file
 
@@ -13,9 +14,10 @@ WORKER = Path(__file__).parent / "workers" / "fsdp_step.py"
 
 def run_step(tmp_path: Path, ranks: int, loss: str) -> dict[str, torch.Tensor]:
     out = tmp_path / f"{loss}-{ranks}.safetensors"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                    str(WORKER), str(out), loss], check=True, timeout=120, env=env, capture_output=True)
+    env = subprocess_env()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                           str(WORKER), str(out), loss], timeout=120, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     return load_file(out)
 
 

@@ -268,6 +268,15 @@ class Learner:
                 "dropped": c.buffer.dropped, "rejected": c.rejects.total}
 
 
+def shutdown_world() -> None:
+    """Leave the torchrun world together. A rank that tears gloo down while a peer is
+    still working (rank 0 writing final/) intermittently aborts at exit with
+    "terminate called without an active exception" (torch 2.13 CPU); a barrier first
+    prevents it."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -285,10 +294,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    try:
-        return learner.run()
-    finally:
-        dist.destroy_process_group()
+    code = learner.run()
+    shutdown_world()
+    return code
 
 
 if __name__ == "__main__":

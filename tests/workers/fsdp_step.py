@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from async_rl import algorithms
 from async_rl.batching import build_batch, scatter_batch
 from async_rl.config import build_config
-from async_rl.roles.learner import full_parameters, global_denominator, shard_model, train_step
+from async_rl.roles.learner import full_parameters, global_denominator, shard_model, shutdown_world, train_step
 
 
 def synthetic_groups(n_groups: int, G: int, seed: int):
@@ -55,7 +55,7 @@ def main(out_path: str, loss: str) -> None:
     if rank == 0:
         params["__loss__"] = torch.tensor([stats["loss/total"]])
         save_file(params, out_path)
-    dist.destroy_process_group()
+    shutdown_world()
 
 
 if __name__ == "__main__":
