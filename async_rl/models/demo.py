@@ -205,10 +205,10 @@ def build_demo_model(
 ) -> Path:
     """Write the demo policy to ``out_dir`` and return that path.
 
-    Training stops at the first check (every ``check_every`` steps, every step once
-    halfway to the target) where held-out
-    greedy accuracy reaches ``target_accuracy`` and at least ``min_mixed_fraction``
-    of 8-sample groups are expected to be mixed (see module docstring).
+    Training stops at the first check (every ``check_every`` steps; every step once
+    halfway to the target) where held-out greedy accuracy reaches
+    ``target_accuracy`` and at least ``min_mixed_fraction`` of 8-sample groups are
+    expected to be mixed (see module docstring).
     Deterministic given ``seed`` and ``num_threads``. One thread by default: the
     model is too small to gain from more, and on a busy 2-core machine two OpenMP
     threads made a step ~100x slower (measured). Raises RuntimeError if
