@@ -133,3 +133,48 @@ def test_stop_says_goodbye(hub):
     coord._drain_s = 2.0
     coord._stopping.set()
     assert isinstance(ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=1)), Goodbye)
+
+
+def test_membership_change_brings_up_to_date_actors_into_the_new_group(hub):
+    """After a join, an actor that already holds the current weights must still take
+    part in the new epoch's broadcast, or the group can never form."""
+    import threading
+
+    from async_rl.transport import SyncDone, SyncOrder
+    from async_rl.weight_sync import WeightReceiver
+
+    coord, ctx, _ = hub
+    coord.version = 1
+
+    def sync_once(sock, actor_id, version, params):
+        deadline = time.time() + 10
+        while time.time() < deadline:  # the job appears asynchronously
+            reply = ask(sock, WorkRequest(actor_id=actor_id, version=version, max_groups=0))
+            if isinstance(reply, SyncOrder):
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError(f"actor {actor_id} at version {version} never got a SyncOrder")
+        receiver = WeightReceiver([("w", params)], bucket_mb=1, backend="gloo", timeout_s=5)
+        receiver.receive(epoch=reply.epoch, rank=reply.rank, world_size=reply.world_size,
+                         store_host=reply.store_host, store_port=reply.store_port)
+        send(sock, SyncDone(actor_id=actor_id, epoch=reply.epoch, version=reply.version))
+        return reply
+
+    a = dealer(ctx, coord.hub_addr)
+    wa = ask(a, Hello(actor_name="a", pid=1, host="h"))
+    params_a = torch.zeros(4)
+    coord.broadcaster.publish(1, iter([("w", torch.full((4,), 7.0))]))
+    first = sync_once(a, wa.actor_id, 0, params_a)
+    assert first.world_size == 2 and torch.equal(params_a, torch.full((4,), 7.0))
+
+    b = dealer(ctx, coord.hub_addr)
+    wb = ask(b, Hello(actor_name="b", pid=2, host="h"))
+    params_b = torch.zeros(4)
+    results = {}
+    t = threading.Thread(target=lambda: results.setdefault("a", sync_once(a, wa.actor_id, 1, params_a)))
+    t.start()
+    second_b = sync_once(b, wb.actor_id, 0, params_b)
+    t.join(timeout=15)
+    assert results["a"].epoch == second_b.epoch > first.epoch and second_b.world_size == 3
+    assert torch.equal(params_b, torch.full((4,), 7.0))

@@ -39,6 +39,7 @@ class ActorInfo:
     identity: bytes
     last_seen: float
     version: int = 0
+    synced: tuple[int, int] = (-1, -1)  # (epoch, version) of the last broadcast it completed
     outstanding: set[int] = field(default_factory=set)  # admission indices granted, not yet delivered
 
 
@@ -162,6 +163,7 @@ class Coordinator:
             actor.version = max(actor.version, msg.version)
         elif isinstance(msg, SyncDone):
             actor.version = max(actor.version, msg.version)
+            actor.synced = (msg.epoch, msg.version)
         elif isinstance(msg, Goodbye):
             self._remove(actor.actor_id, "said goodbye")
         elif isinstance(msg, WorkRequest):
@@ -178,7 +180,9 @@ class Coordinator:
         if self._stopping.is_set():
             return Goodbye(reason="run finished")
         job = self.broadcaster.job()
-        if job is not None and actor.actor_id in job.members and actor.version < job.version:
+        # Every member must join each broadcast, also one that already holds these
+        # weights: a membership change needs the new epoch's group formed by all.
+        if job is not None and actor.actor_id in job.members and actor.synced != (job.epoch, job.version):
             return SyncOrder(epoch=job.epoch, rank=job.rank_of(actor.actor_id), world_size=len(job.members) + 1,
                              store_host=self.broadcaster.host, store_port=self.broadcaster.port, version=job.version)
         indices = self._admit(req.version, req.max_groups)
