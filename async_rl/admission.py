@@ -19,6 +19,10 @@ class Admission:
     batch_groups: int
     admitted: int = 0  # groups granted so far == next admission index
 
+    def allows(self, index: int, actor_version: int) -> bool:
+        """May slot `index` be generated with weights of `actor_version`? (re-issues)"""
+        return index < (self.max_staleness + actor_version + 1) * self.batch_groups
+
     def capacity(self, actor_version: int) -> int:
         """How many more groups an actor at `actor_version` may be granted now."""
         limit = (self.max_staleness + actor_version + 1) * self.batch_groups

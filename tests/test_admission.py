@@ -68,6 +68,7 @@ def test_capacity_uses_actor_version():
     assert list(adm.admit(0, 100)) == list(range(8))  # (1 + 0 + 1) * 4
     assert adm.capacity(0) == 0 and adm.capacity(1) == 4
     assert Admission.consumed_at(7, 4) == 1
+    assert adm.allows(7, 0) and not adm.allows(8, 0) and adm.allows(8, 1)
 
 
 def test_buffer_orders_by_admission_and_keeps_partial_on_timeout():

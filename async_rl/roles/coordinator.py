@@ -196,10 +196,10 @@ class Coordinator:
                          prompts=[p.text for p in prompts], answers=[p.answer for p in prompts])
 
     def _admit(self, version: int, wanted: int) -> list[int]:
-        # Re-issued slots first (their index is old, so any current actor satisfies the bound).
-        out: list[int] = []
-        while self.reissue and len(out) < wanted:
-            out.append(self.reissue.popleft())
+        # Re-issued slots first (oldest first), under the same bound as new admissions.
+        out = [i for i in self.reissue if self.admission.allows(i, version)][:wanted]
+        for i in out:
+            self.reissue.remove(i)
         out.extend(self.admission.admit(version, wanted - len(out)))
         return out
 
