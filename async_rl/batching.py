@@ -29,9 +29,6 @@ class Batch:
     def rows(self, start: int, stop: int) -> "Batch":
         return Batch(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
 
-    def to(self, device: torch.device) -> "Batch":
-        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
-
 
 def build_batch(groups, pad_id: int) -> Batch:
     """groups: ExperienceGroup messages (numpy arrays). Advantages are filled in later."""

@@ -52,12 +52,6 @@ class ReplayBuffer(Generic[T]):
             self._cond.notify_all()
             return True
 
-    def skip(self, index: int) -> None:
-        """Mark a slot as never to be filled (e.g. its prompt was re-admitted elsewhere)."""
-        with self._cond:
-            self._slots.setdefault(index, (-1, None))  # type: ignore[arg-type]
-            self._cond.notify_all()
-
     def take(self, n: int, learner_version: int, timeout: float | None = None,
              stop: threading.Event | None = None) -> Taken[T] | None:
         """Block until the next `n` admission slots are filled; None on timeout/stop.
@@ -72,8 +66,6 @@ class ReplayBuffer(Generic[T]):
                 while self._next in self._slots and len(self._ready) < n:
                     version, item = self._slots.pop(self._next)
                     index, self._next = self._next, self._next + 1
-                    if item is None:
-                        continue
                     if learner_version - version > self.max_staleness:
                         self.dropped += 1
                         dropped.append(index)
@@ -89,9 +81,3 @@ class ReplayBuffer(Generic[T]):
             self.consumed += n
         return Taken([g for _, _, g in batch], [i for i, _, _ in batch], [v for _, v, _ in batch],
                      time.monotonic() - start, dropped)
-
-    def pending(self) -> list[tuple[int, int, T]]:
-        """Every stored group (index, version, item) in admission order, for checkpoints."""
-        with self._cond:
-            stored = [(i, v, g) for i, (v, g) in self._slots.items() if g is not None]
-            return list(self._ready) + sorted(stored, key=lambda x: x[0])

@@ -218,6 +218,3 @@ class WeightReceiver:
             with torch.no_grad():
                 for e in bucket.entries:
                     self.params[e.name].copy_(flat[e.offset:e.offset + e.numel].view(e.shape))
-
-    def reset(self) -> None:
-        self._group, self._epoch = None, -1
