@@ -41,7 +41,7 @@ def read_metrics(run_dir: Path):
 
 def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):
     run = tmp_path / "run"
-    train(run, demo_model, "train.max_steps=4", "max_staleness=2")
+    train(run, demo_model, "train.max_steps=4", "max_staleness=2", "checkpoint.every=2")
     steps, evals = read_metrics(run)
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     for s in steps:
@@ -55,7 +55,8 @@ def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):
     assert "max_staleness: 2" in cfg_text and f"path: {demo_model}" in cfg_text
     endpoints = json.loads((run / "endpoints.json").read_text())
     assert endpoints["hub"].startswith("tcp://127.0.0.1:") and endpoints["learner_pid"] > 0
-    assert (run / "checkpoints" / "step_000004" / "coordinator.json").exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    assert json.loads((run / "checkpoints" / "step_000004" / "coordinator.json").read_text())["version"] == 4
 
     table = subprocess.run([sys.executable, str(ROOT / "analysis/summarize.py"), str(run), "--target", "0.0"],
                            capture_output=True, text=True, timeout=60, check=True).stdout

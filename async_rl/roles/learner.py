@@ -248,13 +248,18 @@ class Learner:
                 })
             if cfg.eval.every and self.version % cfg.eval.every == 0 and self.version < cfg.train.max_steps:
                 self._evaluate()
+            if cfg.checkpoint.every and self.version % cfg.checkpoint.every == 0 and self.version < cfg.train.max_steps:
+                self._checkpoint()
         self._evaluate()
         self._finish()
         return 0
 
-    def _finish(self) -> None:
+    def _checkpoint(self) -> None:
         save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.version:06d}", self.model, self.optimizer,
                         self._coordinator_state() if self.rank == 0 else None)
+
+    def _finish(self) -> None:
+        self._checkpoint()
         if self.rank == 0:
             # The final evaluation just loaded the final weights into the eval copy.
             save_hf_model(self.eval_engine.model, self.tokenizer, self.run_dir / "final")
