@@ -23,17 +23,16 @@ EVAL_KEYS = ("step", "version", "time", "eval/accuracy", "eval/reward_mean")
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int, *, start_time: float | None = None,
-                 progress: bool = True, initial_step: int = 0):
+    def __init__(self, run_dir: Path, total_steps: int):
         from torch.utils.tensorboard import SummaryWriter  # import late: slow, rank 0 only
 
-        self.start = start_time if start_time is not None else time.time()
+        self.start = time.time()
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
         # Redraw often on a terminal, rarely in a log file.
         interactive = sys.stderr.isatty()
-        self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True,
-                         disable=not progress, mininterval=0.2 if interactive else 15.0)
+        self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
+                         mininterval=0.2 if interactive else 15.0)
         self._last_eval: float | None = None
 
     def elapsed(self) -> float:

@@ -47,6 +47,7 @@ class ActorInfo:
 class Grant:
     actor_id: int
     version: int
+    prompt_id: int
 
 
 class Coordinator:
@@ -188,10 +189,10 @@ class Coordinator:
         indices = self._admit(req.version, req.max_groups)
         if not indices:
             return Wait(seconds=0.02)
-        for i in indices:
-            self.granted[i] = Grant(actor.actor_id, req.version)
-            actor.outstanding.add(i)
         prompts = [self.task.train_prompt(i) for i in indices]
+        for i, prompt in zip(indices, prompts):
+            self.granted[i] = Grant(actor.actor_id, req.version, prompt.id)
+            actor.outstanding.add(i)
         return WorkGrant(groups=indices, prompt_ids=[p.id for p in prompts],
                          prompts=[p.text for p in prompts], answers=[p.answer for p in prompts])
 
@@ -254,7 +255,7 @@ class Coordinator:
         if msg.version < grant.version or msg.version > self.version:
             self.rejects.reject("bad_version")
             return
-        if msg.response_tokens.shape[0] != self.cfg.train.group_size or msg.prompt_id != self.task.train_prompt(msg.group).id:
+        if msg.response_tokens.shape[0] != self.cfg.train.group_size or msg.prompt_id != grant.prompt_id:
             self.rejects.reject("bad_group")
             return
         if not self.buffer.put(msg.group, msg.version, msg):
