@@ -28,8 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "actor":
         from .roles.actor import run_actor
+        from .runtime import exit_now
 
-        return run_actor(args.hub, args.name)
+        exit_now(run_actor(args.hub, args.name))  # the actor held gloo groups: see exit_now
     try:
         cfg = load_config(args.config, args.overrides)
         from .launcher import train

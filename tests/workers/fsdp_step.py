@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from async_rl import algorithms
 from async_rl.batching import build_batch, scatter_batch
 from async_rl.config import build_config
+from async_rl.runtime import exit_now
 from async_rl.roles.learner import full_parameters, global_denominator, shard_model, shutdown_world, train_step
 
 
@@ -60,3 +61,4 @@ def main(out_path: str, loss: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    exit_now(0)
