@@ -3,9 +3,9 @@
 Row layout (one row per response): `prompt ++ response ++ pad`. Token-level tensors
 that score predictions (`loss_mask`, `logp_behav`) have length L-1: position t holds
 the prediction of token t+1, matching `logits[:, :-1]`.
-Rank 0 builds the whole batch (advantages need whole groups, REINFORCE++ the whole
-batch), then scatters equal row blocks; every rank gets whole groups because
-`batch_groups` is a multiple of the learner world size.
+Rank 0 builds the whole batch, then scatters equal row blocks; every rank gets whole
+groups because `batch_groups` is a multiple of the learner world size, so group
+advantages can be computed on each rank (see train_step.py).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ class Batch:
     attention: torch.Tensor    # int64 [N, L]
     loss_mask: torch.Tensor    # float32 [N, L-1]
     logp_behav: torch.Tensor   # float32 [N, L-1]
-    advantages: torch.Tensor   # float32 [N]
     rewards: torch.Tensor      # float32 [N]
+    baselines: torch.Tensor    # float32 [N], ReMax greedy-response reward (NaN when not computed)
     group: torch.Tensor        # int64 [N], group index within the batch
 
     def rows(self, start: int, stop: int) -> "Batch":
@@ -31,14 +31,14 @@ class Batch:
 
 
 def build_batch(groups, pad_id: int) -> Batch:
-    """groups: ExperienceGroup messages (numpy arrays). Advantages are filled in later."""
+    """groups: ExperienceGroup messages (numpy arrays)."""
     rows = []
     for g_index, g in enumerate(groups):
         prompt = np.asarray(g.prompt_tokens, dtype=np.int64)
         for j in range(g.response_tokens.shape[0]):
             n = int(g.response_lengths[j])
             rows.append((prompt, g.response_tokens[j, :n].astype(np.int64), g.logprobs[j, :n],
-                         float(g.rewards[j]), g_index))
+                         float(g.rewards[j]), g_index, getattr(g, "greedy_reward", None)))
     N = len(rows)
     L = max(len(p) + len(r) for p, r, *_ in rows)
     L = max(L, 2)
@@ -47,8 +47,9 @@ def build_batch(groups, pad_id: int) -> Batch:
     loss_mask = np.zeros((N, L - 1), dtype=np.float32)
     logp_behav = np.zeros((N, L - 1), dtype=np.float32)
     rewards = np.zeros(N, dtype=np.float32)
+    baselines = np.full(N, np.nan, dtype=np.float32)
     group = np.zeros(N, dtype=np.int64)
-    for i, (prompt, resp, lp, reward, g_index) in enumerate(rows):
+    for i, (prompt, resp, lp, reward, g_index, greedy_reward) in enumerate(rows):
         P, R = len(prompt), len(resp)
         tokens[i, :P] = prompt
         tokens[i, P:P + R] = resp
@@ -57,8 +58,23 @@ def build_batch(groups, pad_id: int) -> Batch:
         loss_mask[i, P - 1:P - 1 + R] = 1.0
         logp_behav[i, P - 1:P - 1 + R] = lp
         rewards[i], group[i] = reward, g_index
+        if greedy_reward is not None:
+            baselines[i] = greedy_reward
     t = torch.from_numpy
-    return Batch(t(tokens), t(attention), t(loss_mask), t(logp_behav), torch.zeros(N), t(rewards), t(group))
+    return Batch(t(tokens), t(attention), t(loss_mask), t(logp_behav), t(rewards), t(baselines), t(group))
+
+
+def order_for_ranks(batch: Batch, group_size: int, world: int, minibatches: int) -> Batch:
+    """Permute whole groups so that scattering equal row blocks gives every rank, in
+    its k-th slice, its share of global minibatch k = the k-th run of consecutive
+    groups (admission order). The optimizer steps then see the same groups whatever
+    the number of learner ranks."""
+    n_groups = batch.tokens.shape[0] // group_size
+    per_mb = n_groups // minibatches
+    per_rank = per_mb // world
+    order = [k * per_mb + r * per_rank + i for r in range(world) for k in range(minibatches) for i in range(per_rank)]
+    rows = torch.tensor([g * group_size + j for g in order for j in range(group_size)])
+    return Batch(**{f.name: getattr(batch, f.name)[rows] for f in fields(batch)})
 
 
 def scatter_batch(batch: Batch | None, rank: int, world: int, device: torch.device) -> Batch:
@@ -72,7 +88,7 @@ def scatter_batch(batch: Batch | None, rank: int, world: int, device: torch.devi
     N, L = int(header[0]), int(header[1])
     per_rank = N // world
     shapes = {"tokens": (L,), "attention": (L,), "loss_mask": (L - 1,), "logp_behav": (L - 1,),
-              "advantages": (), "rewards": (), "group": ()}
+              "rewards": (), "baselines": (), "group": ()}
     dtypes = {"tokens": torch.int64, "attention": torch.int64, "group": torch.int64}
     out = {}
     for name, tail in shapes.items():

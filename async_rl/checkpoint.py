@@ -17,16 +17,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 
-def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(path: Path, parts: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
                     coordinator_state: dict | None) -> None:
-    """Collective: every learner rank calls it; rank 0 passes the coordinator state."""
+    """Collective: every learner rank calls it; rank 0 passes the coordinator state.
+    `parts` names each trained (model, optimizer) pair, e.g. {"model": ..., "critic": ...};
+    each is stored as NAME and NAME_optim in one DCP checkpoint."""
     tmp = path.with_name(path.name + ".partial")
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    state = {}
+    for name, (model, optimizer) in parts.items():
+        state[name], state[f"{name}_optim"] = get_state_dict(model, optimizer)
+    dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
         (tmp / "coordinator.json").write_text(json.dumps(coordinator_state or {}, indent=1))

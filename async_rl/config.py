@@ -62,10 +62,24 @@ class PPOConfig(_Section):
     eps_high: float = Field(0.2, ge=0.0, description="PPO clip range above 1 (eps_high > eps_low = clip-higher).")
     is_cap: float = Field(2.0, gt=0.0, description="Decoupled PPO: cap on the behavior importance weight exp(logp_prox - logp_behav).")
     decoupled: bool = Field(True, description="Decoupled PPO (proximal policy + IS weight, AReaL) vs naive PPO against the behavior policy.")
+    dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c > 1: for negative advantages the objective is bounded below by c*A (null = off).")
 
 
 class OPMDConfig(_Section):
     tau: float = Field(1.0, gt=0.0, description="OPMD regularization strength (Kimi k1.5).")
+    length_norm: bool = Field(False, description="Divide each sequence log-ratio by its response length.")
+
+
+class KLConfig(_Section):
+    coef: float = Field(0.0, ge=0.0, description="Weight of the KL to the frozen initial (reference) policy; 0 = no reference model.")
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Schulman's per-token KL estimator.")
+    mode: Literal["loss", "reward"] = Field("loss", description="`loss`: coef*KL added to the loss (GRPO); `reward`: -coef*KL per token in the reward (REINFORCE++/RLHF), computed on the behavior log-probs.")
+
+
+class CriticConfig(_Section):
+    lr: float = Field(1e-3, gt=0.0, description="advantage=gae: AdamW learning rate of the critic (the policy trunk plus a scalar value head).")
+    value_clip: float | None = Field(0.2, gt=0.0, description="advantage=gae: clip of the value update around the values the advantages came from (null = off).")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="advantage=gae: GAE lambda.")
 
 
 class TrainConfig(_Section):
@@ -73,7 +87,10 @@ class TrainConfig(_Section):
     batch_groups: int = Field(64, ge=1, description="Prompt groups consumed per learner step.")
     group_size: int = Field(8, ge=1, description="Responses sampled per prompt (G).")
     loss: Literal["ppo", "opmd"] = Field("ppo", description="Policy loss.")
-    advantage: Literal["grpo", "drgrpo", "rloo"] = Field("grpo", description="Group advantage estimator (used by `ppo`).")
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "remax", "gae"] = Field("grpo", description="Advantage estimator for `ppo` (`opmd` uses rewards directly): group-relative `grpo`/`drgrpo`/`rloo`, `reinforce_pp` (global whitening), `remax` (greedy baseline, actors generate it), `gae` (critic).")
+    minibatches: int = Field(1, ge=1, description="Optimizer steps per learner step, each on a disjoint slice of the batch; > 1 adds a no-grad proximal forward (the policy at the start of the step).")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount over response tokens (reinforce_pp, gae).")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (entropy is logged either way).")
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("token-mean", description="Loss aggregation over tokens.")
     lr: float = Field(5e-4, gt=0.0, description="AdamW peak learning rate.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="Learning-rate decay over train.max_steps, after warmup.")
@@ -83,6 +100,8 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, gt=0.0, description="Gradient-norm clip.")
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     opmd: OPMDConfig = Field(default_factory=OPMDConfig)
+    kl: KLConfig = Field(default_factory=KLConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
 
 
 class SyncConfig(_Section):
@@ -132,6 +151,12 @@ class Config(_Section):
         if self.train.batch_groups % self.learner.ranks:
             raise ValueError(f"train.batch_groups: must be a multiple of learner.ranks={self.learner.ranks} "
                              f"(each rank trains on whole groups), got {self.train.batch_groups}")
+        if self.train.batch_groups % (self.learner.ranks * self.train.minibatches):
+            raise ValueError(f"train.minibatches: batch_groups={self.train.batch_groups} must split into "
+                             f"learner.ranks * minibatches = {self.learner.ranks * self.train.minibatches} equal parts "
+                             f"of whole groups")
+        if self.train.loss == "opmd" and self.train.advantage in ("remax", "gae"):
+            raise ValueError(f"train.advantage: {self.train.advantage} needs train.loss=ppo (opmd uses rewards directly)")
         if self.task.name == "jsonl" and (not self.task.train_path or not self.task.reward):
             key = "task.train_path" if not self.task.train_path else "task.reward"
             raise ValueError(f"{key}: required when task.name=jsonl")

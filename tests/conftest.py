@@ -1,5 +1,10 @@
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -9,3 +14,28 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     code first on the path, whatever copy of async_rl happens to be installed."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory):
+    """The demo architecture and tokenizer, barely trained (these tests check plumbing, not learning)."""
+    from async_rl.models import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("model") / "demo", seed=0, target_accuracy=0.0,
+                            min_mixed_fraction=0.0)
+
+
+def train(run_dir: Path, model: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """`async-rl train` on the demo config, shrunk to a few small steps."""
+    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run_dir}",
+           f"model.path={model}", "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4",
+           "task.eval_size=32", "eval.every=2", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(step lines, evaluation lines) of a run's metrics.jsonl."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [l for l in lines if "loss/total" in l], [l for l in lines if "eval/accuracy" in l]

@@ -6,37 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_env
+from conftest import read_metrics, subprocess_env, train
 
 from async_rl.metrics import EVAL_KEYS, STEP_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def demo_model(tmp_path_factory):
-    """The demo architecture and tokenizer, barely trained (these tests check plumbing, not learning)."""
-    from async_rl.models import build_demo_model
-
-    return build_demo_model(tmp_path_factory.mktemp("model") / "demo", seed=0, target_accuracy=0.0,
-                            min_mixed_fraction=0.0)
-
-
-def train(run_dir: Path, model: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run_dir}",
-           f"model.path={model}", "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4",
-           "task.eval_size=32", "eval.every=2", *overrides]
-    env = subprocess_env()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def read_metrics(run_dir: Path):
-    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [l for l in lines if "loss/total" in l]
-    evals = [l for l in lines if "eval/accuracy" in l]
-    return steps, evals
 
 
 def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):

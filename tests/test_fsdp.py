@@ -12,19 +12,21 @@ from safetensors.torch import load_file
 WORKER = Path(__file__).parent / "workers" / "fsdp_step.py"
 
 
-def run_step(tmp_path: Path, ranks: int, loss: str) -> dict[str, torch.Tensor]:
-    out = tmp_path / f"{loss}-{ranks}.safetensors"
+def run_step(tmp_path: Path, ranks: int, variant: str) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"{variant}-{ranks}.safetensors"
     env = subprocess_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                           str(WORKER), str(out), loss], timeout=120, env=env, capture_output=True, text=True)
+                           str(WORKER), str(out), variant, str(tmp_path / f"model-{ranks}")],
+                          timeout=120, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return load_file(out)
 
 
-@pytest.mark.parametrize("loss", ["ppo", "opmd"])
-def test_two_rank_step_equals_single_process(tmp_path, loss):
-    single = run_step(tmp_path, 1, loss)
-    sharded = run_step(tmp_path, 2, loss)
+@pytest.mark.parametrize("variant", ["ppo", "opmd", "reinforce_pp", "gae"])
+def test_two_rank_step_equals_single_process(tmp_path, variant):
+    """Parameters after the step (policy and critic) and every diagnostic agree."""
+    single = run_step(tmp_path, 1, variant)
+    sharded = run_step(tmp_path, 2, variant)
     assert single.keys() == sharded.keys()
     for name in single:
         torch.testing.assert_close(sharded[name], single[name], rtol=0, atol=1e-6, msg=name)

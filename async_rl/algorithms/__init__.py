@@ -1,7 +1,10 @@
 """Loss functions and advantage estimators (see DESIGN.md, "Losses (notation)")."""
 
-from .advantages import ADVANTAGE_METHODS, group_advantages, reinforce_pp_advantages, remax_advantages
+from .advantages import (ADVANTAGE_METHODS, discounted_returns, group_advantages, masked_whiten,
+                         reinforce_pp_advantages, remax_advantages, token_rewards)
 from .aggregation import AGG_MODES, agg_denominator, aggregate
+from .entropy import token_entropy
+from .gae import gae_advantages, value_loss
 from .kl import KL_KINDS, kl_estimate
 from .opmd import opmd_loss
 from .ppo import ppo_clip_loss
@@ -12,10 +15,16 @@ __all__ = [
     "KL_KINDS",
     "agg_denominator",
     "aggregate",
+    "discounted_returns",
+    "gae_advantages",
     "group_advantages",
     "kl_estimate",
+    "masked_whiten",
     "opmd_loss",
     "ppo_clip_loss",
     "reinforce_pp_advantages",
     "remax_advantages",
+    "token_entropy",
+    "token_rewards",
+    "value_loss",
 ]

@@ -7,6 +7,8 @@ groups. Advantages are constants for the policy gradient, so outputs are detache
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 ADVANTAGE_METHODS: tuple[str, ...] = ("grpo", "drgrpo", "rloo")
@@ -48,6 +50,52 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, *, method: str)
     return centered / (std + _STD_EPS)
 
 
+ReduceSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+def token_rewards(
+    rewards: torch.Tensor, mask: torch.Tensor, *, kl: torch.Tensor | None = None, kl_coef: float = 0.0
+) -> torch.Tensor:
+    """Per-token rewards `[B, T]`: -kl_coef * kl_t on every response token plus the
+    sequence reward on its last response token (the RLHF reward shaping of
+    Ouyang et al. 2022 / REINFORCE++). Padded positions are 0."""
+    m = mask.bool()
+    r = _float(rewards)
+    out = torch.zeros(m.shape, dtype=r.dtype, device=r.device)
+    if kl is not None and kl_coef != 0.0:
+        out = torch.where(m, -kl_coef * kl.detach().to(r.dtype), out)
+    # last response token: where the running count of response tokens reaches the row's total
+    is_last = m & (m.cumsum(dim=-1) == m.sum(dim=-1, keepdim=True))
+    return out + torch.where(is_last, r[:, None], torch.zeros_like(out))
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, reduce_sum: ReduceSum | None = None) -> torch.Tensor:
+    """(x - mean) / (std + 1e-6) over the response tokens of the whole batch (unbiased
+    std); padded positions are 0. `reduce_sum` sums a tensor over all learner ranks
+    (e.g. an all_reduce), so the statistics are those of the global batch, not of
+    one rank's shard."""
+    m = mask.bool()
+    x = x.detach()
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    moments = torch.stack([m.sum().to(x.dtype), torch.where(m, x, zero).sum(), torch.where(m, x * x, zero).sum()])
+    if reduce_sum is not None:
+        moments = reduce_sum(moments)
+    n, s1, s2 = moments.unbind()
+    mean = s1 / n.clamp(min=1)
+    var = ((s2 - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0)
+    return torch.where(m, (x - mean) / (var.sqrt() + _STD_EPS), zero)
+
+
+def discounted_returns(token_r: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Return-to-go G_t = r_t + gamma * G_{t+1} along the last axis."""
+    returns = torch.zeros_like(token_r)
+    running = torch.zeros_like(token_r[:, 0])
+    for t in reversed(range(token_r.shape[1])):  # loop over time, not over samples
+        running = token_r[:, t] + gamma * running
+        returns[:, t] = running
+    return returns
+
+
 def reinforce_pp_advantages(
     rewards: torch.Tensor,
     mask: torch.Tensor,
@@ -55,6 +103,7 @@ def reinforce_pp_advantages(
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     gamma: float = 1.0,
+    reduce_sum: ReduceSum | None = None,
 ) -> torch.Tensor:
     """REINFORCE++ token advantages `[B, T]` (J. Hu, arXiv 2501.03262).
 
@@ -64,26 +113,8 @@ def reinforce_pp_advantages(
     batch. Global rather than per-group normalization is the paper's point: it
     avoids the per-prompt bias of GRPO-style baselines. Padded positions are 0.
     """
-    m = mask.bool()
-    r = _float(rewards)
-    token_r = torch.zeros(m.shape, dtype=r.dtype, device=r.device)
-    if kl is not None and kl_coef != 0.0:
-        token_r = torch.where(m, -kl_coef * kl.detach().to(r.dtype), token_r)
-    # last response token: where the running count of response tokens reaches the row's total
-    is_last = m & (m.cumsum(dim=-1) == m.sum(dim=-1, keepdim=True))
-    token_r = token_r + torch.where(is_last, r[:, None], torch.zeros_like(token_r))
-
-    returns = torch.zeros_like(token_r)
-    running = torch.zeros_like(token_r[:, 0])
-    for t in reversed(range(token_r.shape[1])):  # loop over time, not over samples
-        running = token_r[:, t] + gamma * running
-        returns[:, t] = running
-
-    n = m.sum().clamp(min=1).to(r.dtype)
-    mean = torch.where(m, returns, 0.0).sum() / n
-    var = torch.where(m, (returns - mean).square(), 0.0).sum() / (n - 1).clamp(min=1)
-    adv = (returns - mean) / (var.sqrt() + _STD_EPS)
-    return torch.where(m, adv, torch.zeros_like(adv))
+    returns = discounted_returns(token_rewards(rewards, mask, kl=kl, kl_coef=kl_coef), gamma)
+    return masked_whiten(returns, mask, reduce_sum=reduce_sum)
 
 
 def remax_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor) -> torch.Tensor:

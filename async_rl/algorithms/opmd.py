@@ -8,6 +8,10 @@ S_j = sum_t logp, S_j^behav = sum_t logp_behav:
 mean(r) stands in for tau * log Z of the KL-regularized optimum; the sampler's
 own log-probabilities are the reference, so stale samples need no importance
 weight. The batch loss is the mean over the prompt groups present.
+
+length_norm=True divides each log-ratio by the response length (S_j becomes a
+per-token mean), so long responses do not dominate the residual and tau keeps
+one meaning across lengths.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ def opmd_loss(
     group: torch.Tensor,
     *,
     tau: float = 1.0,
+    length_norm: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`logp`, `logp_behav`, `mask` are `[B, T]`; `rewards` and `group` are `[B]`
     (group ids arbitrary, any order). Returns (scalar loss with grad, stats)."""
@@ -40,6 +45,8 @@ def opmd_loss(
     r_mean = torch.zeros(n_groups, dtype=dtype, device=r.device).index_add(0, gid, r)[gid] / k
 
     log_ratio = seq_logp - seq_logp_behav
+    if length_norm:
+        log_ratio = log_ratio / m.sum(dim=-1).clamp(min=1).to(dtype)
     residual = r - r_mean - tau * log_ratio
     # (1/k) sum over the group, then mean over groups == sum_j residual_j^2 / (k_j * G).
     loss = (residual.square() / k).sum() / max(n_groups, 1)

@@ -11,6 +11,11 @@ region is centred on the recent proximal policy pi_prox instead of pi_behav:
 
 decoupled=False is naive PPO on stale data: r_t = exp(logp - logp_behav), w_t = 1.
 Asymmetric eps_low/eps_high allow DAPO-style "clip-higher" (arXiv 2503.14476).
+Dual clip (Ye et al., "Mastering complex control in MOBA games", arXiv 1912.09729):
+for A_t < 0 the surrogate is also bounded below by dual_clip * A_t (dual_clip > 1),
+so a huge ratio on a bad token cannot produce an unbounded update:
+
+    loss_t = -w_t * max(min(r_t A_t, clip(r_t) A_t), dual_clip * A_t)      (A_t < 0)
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ def ppo_clip_loss(
     is_cap: float = 2.0,
     decoupled: bool = True,
     agg: str = "token-mean",
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token tensors are `[B, T]`; `advantages` is `[B]` (broadcast over tokens)
     or `[B, T]`. Returns (scalar loss with grad, dict of float stats)."""
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     m = mask.bool()
     dtype = torch.promote_types(logp.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
@@ -65,7 +73,13 @@ def ppo_clip_loss(
 
     surr = ratio * adv
     surr_clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
-    loss_tokens = -w * torch.minimum(surr, surr_clipped)
+    objective = torch.minimum(surr, surr_clipped)
+    dual_active = torch.zeros_like(m)
+    if dual_clip is not None:
+        floor = dual_clip * adv
+        dual_active = m & (adv < 0) & (floor > objective)
+        objective = torch.where(adv < 0, torch.maximum(objective, floor), objective)
+    loss_tokens = -w * objective
     loss = aggregate(loss_tokens, m, agg)
 
     with torch.no_grad():
@@ -82,6 +96,7 @@ def ppo_clip_loss(
             "clip_frac": float(clipped.sum() / n),
             "clip_frac_low": float((clipped & (ratio < 1.0)).sum() / n),
             "clip_frac_high": float((clipped & (ratio > 1.0)).sum() / n),
+            "dual_clip_frac": float(dual_active.sum() / n),
             "is/ess": ess,
             "is/capped_frac": float((m & (raw_w > is_cap)).sum() / n),
             "is/weight_mean": _masked_mean(w, m),

@@ -138,6 +138,12 @@ def rollout(engine, tokenizer, task, cfg: Config, grant: WorkGrant, actor_id: in
     started = time.monotonic()
     completions = engine.generate(prompt_tokens, n=G, max_new_tokens=cfg.actors.max_new_tokens,
                                   temperature=cfg.actors.temperature, top_p=cfg.actors.top_p, generator=generator)
+    greedy_rewards: list[float | None] = [None] * len(grant.prompts)
+    if cfg.train.advantage == "remax":
+        # ReMax's baseline: one greedy response per prompt from the same weights.
+        greedy = engine.generate(prompt_tokens, n=1, max_new_tokens=cfg.actors.max_new_tokens, greedy=True)
+        greedy_rewards = [float(task.reward(p, tokenizer.decode(g[0].tokens.tolist(), skip_special_tokens=True), a))
+                          for p, g, a in zip(grant.prompts, greedy, grant.answers)]
     gen_seconds = (time.monotonic() - started) / max(1, len(grant.prompts))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     out = []
@@ -163,5 +169,5 @@ def rollout(engine, tokenizer, task, cfg: Config, grant: WorkGrant, actor_id: in
             version=int(valid.min()) if valid.size else engine.version,
             prompt_tokens=np.asarray(prompt_tokens[k], dtype=np.int32), response_tokens=tokens,
             response_lengths=lengths, logprobs=logprobs, token_versions=versions, rewards=rewards,
-            gen_seconds=gen_seconds)))
+            gen_seconds=gen_seconds, greedy_reward=greedy_rewards[k])))
     return out

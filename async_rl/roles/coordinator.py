@@ -258,6 +258,9 @@ class Coordinator:
         if msg.response_tokens.shape[0] != self.cfg.train.group_size or msg.prompt_id != grant.prompt_id:
             self.rejects.reject("bad_group")
             return
+        if self.cfg.train.advantage == "remax" and msg.greedy_reward is None:
+            self.rejects.reject("missing_baseline")
+            return
         if not self.buffer.put(msg.group, msg.version, msg):
             self.rejects.reject("buffer_refused")
             return

@@ -2,9 +2,10 @@
 
 Rank 0 also hosts the coordinator (prompts, admission, replay buffer, registry) and
 the weight broadcaster. One step: rank 0 takes `batch_groups` groups in admission
-order, computes advantages, scatters whole groups to ranks; every rank recomputes
-log-probs, runs the loss over micro-batches, and FSDP2 averages gradients; then the
-version increments and, every `sync.every` steps, full weights go to the actors.
+order and scatters whole groups to ranks; every rank runs `train_step` (advantages,
+losses, optimizer steps; FSDP2 averages gradients); then the version increments and,
+every `sync.every` steps, full weights go to the actors. The version counts learner
+steps, whatever `train.minibatches` optimizer steps each one takes.
 
 Run with: torchrun --nproc-per-node R -m async_rl.roles.learner RUN_DIR/config.yaml
 """
@@ -26,12 +27,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from .. import algorithms
-from ..batching import Batch, build_batch, scatter_batch
+from ..batching import Batch, build_batch, order_for_ranks, scatter_batch
 from ..checkpoint import save_checkpoint, save_hf_model
 from ..config import Config, load_config
 from ..evaluation import evaluate
 from ..runtime import load_tokenizer, make_task_from_config, quiet_libraries, resolve_device, sync_backend
+from ..train_step import Models, train_step
 
 log = logging.getLogger("async_rl.learner")
 
@@ -53,19 +54,8 @@ def full_parameters(model: torch.nn.Module):
         yield name, full.detach()
 
 
-def token_logprobs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits[:, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
-
-
-def global_denominator(cfg: Config, batch: Batch, n_groups: int) -> float:
-    if cfg.train.loss == "opmd":
-        return float(n_groups)
-    return algorithms.agg_denominator(batch.loss_mask, cfg.train.agg)
-
-
 def lr_factor(cfg: Config, step: int) -> float:
-    """Multiplier of train.lr at optimizer step `step` (0-based): warmup, then decay."""
+    """Multiplier of train.lr at learner step `step` (0-based): warmup, then decay."""
     t = cfg.train
     if step < t.warmup_steps:
         return (step + 1) / t.warmup_steps
@@ -76,45 +66,25 @@ def lr_factor(cfg: Config, step: int) -> float:
     return t.lr_min_ratio + (1 - t.lr_min_ratio) * shape
 
 
-def train_step(cfg: Config, model, optimizer, local: Batch, denominator: float, world: int) -> dict[str, float]:
-    """Forward/backward over micro-batches of whole groups, then one optimizer step."""
-    model.train()
-    G = cfg.train.group_size
-    rows_per_micro = max(1, cfg.learner.micro_batch_size // G) * G
-    sums = torch.zeros(6, dtype=torch.float64)  # loss, clip_frac*d, sum w, sum w^2, tokens, d
-    for start in range(0, local.tokens.shape[0], rows_per_micro):
-        micro = local.rows(start, start + rows_per_micro)
-        logp = token_logprobs(model, micro)
-        if cfg.train.loss == "ppo":
-            p = cfg.train.ppo
-            loss, stats = algorithms.ppo_clip_loss(
-                logp, logp.detach(), micro.logp_behav, micro.advantages, micro.loss_mask,
-                eps_low=p.eps_low, eps_high=p.eps_high, is_cap=p.is_cap, decoupled=p.decoupled, agg=cfg.train.agg)
-            d_micro = algorithms.agg_denominator(micro.loss_mask, cfg.train.agg)
-        else:
-            loss, stats = algorithms.opmd_loss(logp, micro.logp_behav, micro.loss_mask, micro.rewards, micro.group,
-                                               tau=cfg.train.opmd.tau)
-            d_micro = float(torch.unique(micro.group).numel())
-        # FSDP2 averages gradients over ranks, so scale the micro loss to its share of
-        # the global-batch normalization times the world size.
-        (loss * (d_micro / denominator) * world).backward()
-        # Behavior -> current-policy importance weights over the whole batch (diagnostic
-        # ESS, summed across micro-batches and ranks so it is the global value).
-        m = micro.loss_mask
-        w = torch.exp(torch.where(m.bool(), logp.detach() - micro.logp_behav, 0.0))
-        sums += torch.tensor([loss.item() * d_micro / denominator, stats.get("clip_frac", 0.0) * d_micro,
-                              float((w * m).sum()), float((w * w * m).sum()), float(m.sum()), d_micro],
-                             dtype=torch.float64)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-    if isinstance(grad_norm, DTensor):
-        grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    sums = sums.to(local.tokens.device)  # NCCL reduces device tensors only
-    dist.all_reduce(sums)
-    loss_total, clip_d, sw, sw2, ntok, d = sums.tolist()
-    return {"loss/total": loss_total, "is/clip_frac": clip_d / max(d, 1e-12),
-            "is/ess": (sw * sw) / max(ntok * sw2, 1e-12), "learner/grad_norm": float(grad_norm)}
+def build_models(cfg: Config, device: torch.device, mesh) -> Models:
+    """Policy (+ frozen reference for KL, + critic for GAE), each sharded with FSDP2."""
+    from transformers import AutoModelForCausalLM
+
+    def load_policy():
+        return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).to(device)
+
+    policy = shard_model(load_policy(), mesh)
+    models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
+                                              weight_decay=cfg.train.weight_decay))
+    if cfg.train.kl.coef > 0:
+        models.reference = shard_model(load_policy().requires_grad_(False).eval(), mesh)
+    if cfg.train.advantage == "gae":
+        from ..models.critic import ValueModel
+
+        models.critic = shard_model(ValueModel(cfg.model.path).to(device), mesh)
+        models.critic_optimizer = torch.optim.AdamW(models.critic.parameters(), lr=cfg.train.critic.lr,
+                                                    weight_decay=cfg.train.weight_decay)
+    return models
 
 
 class Learner:
@@ -123,15 +93,13 @@ class Learner:
         self.run_dir = Path(cfg.run_dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = resolve_device(cfg.model.device)
-        from transformers import AutoModelForCausalLM
         from torch.distributed.device_mesh import init_device_mesh
 
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).to(self.device)
-        self.specs = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
-        self.model = shard_model(model, init_device_mesh(self.device.type, (self.world,)))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr,
-                                           weight_decay=cfg.train.weight_decay)
+        self.models = build_models(cfg, self.device, init_device_mesh(self.device.type, (self.world,)))
+        self.model, self.optimizer = self.models.policy, self.models.optimizer
+        # A DTensor reports its global shape, so no communication is needed here.
+        self.specs = [(n, tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(cfg, step))
         self.version = 0
         self.stop_event = threading.Event()  # set by SIGINT/SIGTERM; rank 0 acts on it
@@ -170,22 +138,21 @@ class Learner:
                                    f"(live actors: {self.coordinator.live_actors})")
             if taken is not None:
                 batch = build_batch(taken.groups, self.tokenizer.pad_token_id or 0)
-                batch.advantages = algorithms.group_advantages(batch.rewards, batch.group,
-                                                               method=cfg.train.advantage)
                 staleness = [self.version - v for v in taken.versions]
+                lengths = batch.loss_mask.sum(dim=-1)
                 info = {"waited": taken.waited_s, "staleness/mean": sum(staleness) / len(staleness),
                         "staleness/max": max(staleness), "train/reward_mean": float(batch.rewards.mean()),
-                        "gen_tokens": float(batch.loss_mask.sum()), "samples": float(batch.tokens.shape[0]),
-                        "denominator": global_denominator(cfg, batch, len(taken.groups))}
-        # [denominator, stop]: one small broadcast keeps every rank in lock-step.
-        control = torch.tensor([info.get("denominator", 0.0), float(self.rank == 0 and batch is None)],
-                               dtype=torch.float64, device=self.device)
-        dist.broadcast(control, src=0)
-        if control[1] > 0:
+                        "train/response_len_mean": float(lengths.mean()),
+                        "train/response_len_max": float(lengths.max()),
+                        "gen_tokens": float(lengths.sum()), "samples": float(batch.tokens.shape[0])}
+        # One small broadcast keeps every rank in lock-step: 1 = stop.
+        stop = torch.tensor([float(self.rank == 0 and batch is None)], dtype=torch.float64, device=self.device)
+        dist.broadcast(stop, src=0)
+        if stop[0] > 0:
             return None, {}
-        local = scatter_batch(batch, self.rank, self.world, self.device)
-        info["denominator"] = float(control[0])
-        return local, info
+        if batch is not None:
+            batch = order_for_ranks(batch, self.cfg.train.group_size, self.world, self.cfg.train.minibatches)
+        return scatter_batch(batch, self.rank, self.world, self.device), info
 
     def _gather(self, consume) -> None:
         """Gather full parameters one tensor at a time (a collective on every rank);
@@ -224,7 +191,7 @@ class Learner:
             local, info = self._next_batch()
             if local is None:
                 break
-            stats = train_step(cfg, self.model, self.optimizer, local, info["denominator"], self.world)
+            stats = train_step(cfg, self.models, local)
             stats["learner/lr"] = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             self.version += 1
@@ -237,6 +204,8 @@ class Learner:
                 c = self.coordinator
                 self.metrics.log({
                     "step": self.version, "version": self.version, "train/reward_mean": info["train/reward_mean"],
+                    "train/response_len_mean": info["train/response_len_mean"],
+                    "train/response_len_max": info["train/response_len_max"],
                     "train/samples": samples_total, **stats, "staleness/mean": info["staleness/mean"],
                     "staleness/max": info["staleness/max"], "staleness/dropped": c.buffer.dropped,
                     "throughput/samples_per_s": info["samples"] / interval,
@@ -255,7 +224,10 @@ class Learner:
         return 0
 
     def _checkpoint(self) -> None:
-        save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.version:06d}", self.model, self.optimizer,
+        parts = {"model": (self.model, self.optimizer)}
+        if self.models.critic is not None:
+            parts["critic"] = (self.models.critic, self.models.critic_optimizer)
+        save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.version:06d}", parts,
                         self._coordinator_state() if self.rank == 0 else None)
 
     def _finish(self) -> None:

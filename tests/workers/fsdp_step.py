@@ -10,11 +10,24 @@ from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from async_rl import algorithms
-from async_rl.batching import build_batch, scatter_batch
+from async_rl.batching import build_batch, order_for_ranks, scatter_batch
 from async_rl.config import build_config
+from async_rl.models.critic import ValueModel
 from async_rl.runtime import exit_now
-from async_rl.roles.learner import full_parameters, global_denominator, shard_model, shutdown_world, train_step
+from async_rl.roles.learner import full_parameters, shard_model, shutdown_world
+from async_rl.train_step import Models, train_step
+
+# Named variants of the train section; each exercises a different cross-rank path.
+VARIANTS = {
+    "ppo": {"loss": "ppo"},
+    "opmd": {"loss": "opmd", "opmd": {"length_norm": True}},
+    # global whitening all-reduces its moments; KL in the reward needs the reference model
+    "reinforce_pp": {"loss": "ppo", "advantage": "reinforce_pp", "minibatches": 2,
+                     "kl": {"coef": 0.1, "estimator": "k2", "mode": "reward"}},
+    # critic sharded too; KL in the loss, entropy bonus, per-sequence aggregation
+    "gae": {"loss": "ppo", "advantage": "gae", "agg": "seq-mean-token-sum", "entropy_coef": 0.01,
+            "kl": {"coef": 0.1, "estimator": "k3", "mode": "loss"}, "ppo": {"dual_clip": 3.0}},
+}
 
 
 def synthetic_groups(n_groups: int, G: int, seed: int):
@@ -33,32 +46,44 @@ def synthetic_groups(n_groups: int, G: int, seed: int):
     return groups
 
 
-def main(out_path: str, loss: str) -> None:
+def main(out_path: str, variant: str, model_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True))
-    cfg = build_config({"train": {"loss": loss, "batch_groups": 4, "group_size": 4, "grad_clip": 1e9},
-                        "learner": {"ranks": 2, "micro_batch_size": 4}})
-    model = shard_model(model, init_device_mesh("cpu", (world,)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    batch, denom = None, torch.zeros(1, dtype=torch.float64)
     if rank == 0:
-        groups = synthetic_groups(4, 4, seed=1)
-        batch = build_batch(groups, pad_id=0)
-        batch.advantages = algorithms.group_advantages(batch.rewards, batch.group, method="grpo")
-        denom[0] = global_denominator(cfg, batch, len(groups))
-    dist.broadcast(denom, src=0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=64,
+                                     tie_word_embeddings=True)).save_pretrained(model_dir)
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (world,))
+    train = {"batch_groups": 4, "group_size": 4, "grad_clip": 1e9, **VARIANTS[variant]}
+    cfg = build_config({"train": train, "learner": {"ranks": 2, "micro_batch_size": 4}})
+    policy = shard_model(LlamaForCausalLM.from_pretrained(model_dir), mesh)
+    models = Models(policy, torch.optim.SGD(policy.parameters(), lr=1.0))
+    if cfg.train.kl.coef > 0:
+        models.reference = shard_model(LlamaForCausalLM.from_pretrained(model_dir).requires_grad_(False), mesh)
+        with torch.no_grad():  # a reference that differs from the policy, so the KL is not 0
+            for p in models.policy.parameters():
+                p.add_(0.05 * torch.ones_like(p))
+    if cfg.train.advantage == "gae":
+        models.critic = shard_model(ValueModel(model_dir), mesh)
+        models.critic_optimizer = torch.optim.SGD(models.critic.parameters(), lr=1.0)
+    batch = None
+    if rank == 0:
+        batch = order_for_ranks(build_batch(synthetic_groups(4, 4, seed=1), pad_id=0), 4, world,
+                                cfg.train.minibatches)
     local = scatter_batch(batch, rank, world, torch.device("cpu"))
-    stats = train_step(cfg, model, optimizer, local, float(denom), world)
-    params = {name: t.clone().contiguous() for name, t in full_parameters(model)}
+    stats = train_step(cfg, models, local)
+    params = {name: t.clone().contiguous() for name, t in full_parameters(models.policy)}
+    if models.critic is not None:
+        params.update({f"critic.{n}": t.clone().contiguous() for n, t in full_parameters(models.critic)})
     if rank == 0:
         params["__loss__"] = torch.tensor([stats["loss/total"]])
+        params["__stats__"] = torch.tensor([stats[k] for k in sorted(stats)], dtype=torch.float64)
         save_file(params, out_path)
     shutdown_world()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
     exit_now(0)

@@ -1,0 +1,211 @@
+"""One learner step: the whole RL algorithm, run identically on every learner rank.
+
+    1. no-grad forwards over this rank's rows: proximal log-probs (when the step takes
+       several optimizer steps), reference log-probs (KL), values (GAE);
+    2. advantages: group-relative ones are local (each rank holds whole groups);
+       REINFORCE++/GAE whitening sums its moments over all ranks;
+    3. for each of `train.minibatches` disjoint slices: micro-batch forward/backward of
+       policy loss + KL + entropy bonus (+ critic loss), then one optimizer step;
+    4. diagnostics summed over micro-batches and ranks, so every figure is global.
+
+FSDP2 averages gradients over ranks, so each micro-batch loss is scaled by its share
+of the *global* minibatch normalization times the world size: the result equals a
+single process training on the whole batch (tests/test_fsdp.py checks it to 1e-6).
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from . import algorithms
+from .batching import Batch
+from .config import Config
+
+
+@dataclass
+class Models:
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    reference: torch.nn.Module | None = None  # frozen initial policy, when train.kl.coef > 0
+    critic: torch.nn.Module | None = None  # value model, when train.advantage = gae
+    critic_optimizer: torch.optim.Optimizer | None = None
+
+
+def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False):
+    """Log-probs `[N, L-1]` of the batch's next tokens under `model`, at the actors'
+    sampling temperature (their recorded log-probs are tempered too); optionally the
+    per-token entropy of the same distribution."""
+    logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    return logp, (algorithms.token_entropy(logits) if entropy else None)
+
+
+def forward_values(critic, batch: Batch) -> torch.Tensor:
+    return critic(batch.tokens, batch.attention)[:, :-1]
+
+
+@torch.no_grad()
+def _no_grad_pass(fn, batch: Batch, rows: int) -> torch.Tensor:
+    return torch.cat([fn(batch.rows(s, s + rows)) for s in range(0, batch.tokens.shape[0], rows)])
+
+
+def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    dist.all_reduce(x)
+    return x
+
+
+def compute_advantages(cfg: Config, batch: Batch, logp_ref, values):
+    """(advantages `[N]` or `[N, L-1]`, critic returns or None, sequence rewards used by OPMD)."""
+    t = cfg.train
+    mask = batch.loss_mask
+    kl_tokens = None
+    rewards = batch.rewards
+    if logp_ref is not None and t.kl.mode == "reward":
+        # Samples come from the behavior policy, so its log-probs give an unbiased estimate.
+        kl_tokens = torch.where(mask.bool(), algorithms.kl_estimate(batch.logp_behav, logp_ref, t.kl.estimator), 0.0)
+        rewards = rewards - t.kl.coef * kl_tokens.sum(dim=-1)
+    if t.advantage in algorithms.ADVANTAGE_METHODS:
+        return algorithms.group_advantages(rewards, batch.group, method=t.advantage), None, rewards
+    if t.advantage == "remax":
+        return algorithms.remax_advantages(rewards, batch.baselines), None, rewards
+    token_r = algorithms.token_rewards(batch.rewards, mask, kl=kl_tokens, kl_coef=t.kl.coef)
+    if t.advantage == "reinforce_pp":
+        adv = algorithms.masked_whiten(algorithms.discounted_returns(token_r, t.gamma), mask,
+                                       reduce_sum=_all_reduce_sum)
+        return adv, None, rewards
+    adv, returns = algorithms.gae_advantages(token_r, values, mask, gamma=t.gamma, lam=t.critic.lam)
+    return algorithms.masked_whiten(adv, mask, reduce_sum=_all_reduce_sum), returns, rewards
+
+
+def _denominators(cfg: Config, local: Batch, rows_per_mb: int) -> torch.Tensor:
+    """Global [minibatches, 3]: policy-loss normalizer (tokens/sequences, or groups for
+    OPMD), the `train.agg` normalizer for KL/entropy terms, and response tokens."""
+    out = []
+    for k in range(cfg.train.minibatches):
+        mb = local.rows(k * rows_per_mb, (k + 1) * rows_per_mb)
+        agg_d = algorithms.agg_denominator(mb.loss_mask, cfg.train.agg)
+        policy_d = float(torch.unique(mb.group).numel()) if cfg.train.loss == "opmd" else agg_d
+        out.append([policy_d, agg_d, float(mb.loss_mask.sum())])
+    return _all_reduce_sum(torch.tensor(out, dtype=torch.float64, device=local.tokens.device)).cpu()
+
+
+def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, returns, old_values, denom, acc):
+    """Backward one micro-batch; accumulate its diagnostics into `acc` (sums)."""
+    t, world = cfg.train, dist.get_world_size()
+    m = micro.loss_mask
+    mb = m.bool()
+    logp, entropy = forward_logp(models.policy, micro, cfg.actors.temperature, entropy=True)
+    if prox is None:  # one optimizer step per batch: the proximal policy is the current one
+        prox = logp.detach()
+    policy_d, agg_d, tokens = denom.tolist()
+    d_agg = algorithms.agg_denominator(m, t.agg)
+    n_tok = float(m.sum())
+    if t.loss == "ppo":
+        p = t.ppo
+        policy, stats = algorithms.ppo_clip_loss(
+            logp, prox, micro.logp_behav, adv, m, eps_low=p.eps_low, eps_high=p.eps_high, is_cap=p.is_cap,
+            decoupled=p.decoupled, agg=t.agg, dual_clip=p.dual_clip)
+        d_policy = d_agg
+    else:
+        policy, stats = algorithms.opmd_loss(logp, micro.logp_behav, m, micro.rewards, micro.group,
+                                             tau=t.opmd.tau, length_norm=t.opmd.length_norm)
+        d_policy = float(torch.unique(micro.group).numel())
+    terms = {"loss/policy": policy * (d_policy / policy_d)}
+    if ref is not None:
+        kl = algorithms.kl_estimate(logp, ref, t.kl.estimator)
+        acc["policy/kl_ref"] += float(torch.where(mb, kl.detach(), 0.0).sum())
+        if t.kl.mode == "loss":
+            terms["loss/kl"] = t.kl.coef * algorithms.aggregate(kl, m, t.agg) * (d_agg / agg_d)
+    entropy_mean = algorithms.aggregate(entropy, m, t.agg) * (d_agg / agg_d)
+    if t.entropy_coef > 0:
+        terms["loss/entropy"] = -t.entropy_coef * entropy_mean
+    total = sum(terms.values())
+    (total * world).backward()
+    if models.critic is not None:
+        values = forward_values(models.critic, micro)
+        vloss, vstats = algorithms.value_loss(values, old_values, returns, m, clip=t.critic.value_clip)
+        (vloss * (n_tok / tokens) * world).backward()
+        acc["loss/value"] += float(vloss.detach()) * n_tok / tokens
+        acc["critic/value_mean"] += vstats["value_mean"] * n_tok
+        acc["critic/clip_frac"] += vstats["value_clip_frac"] * n_tok
+
+    for name, term in terms.items():
+        acc[name] += float(term.detach())
+    acc["loss/total"] += float(total.detach())
+    acc["policy/entropy"] += float(torch.where(mb, entropy.detach(), 0.0).sum())
+    for key in ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "is/capped_frac", "mismatch_kl"):
+        acc[key] += stats.get(key, 0.0) * n_tok
+    # Importance weights behavior -> proximal over the whole batch, before any cap:
+    # how off-policy the data is, whichever loss uses (or ignores) them.
+    # float64: the ESS is a ratio of sums over the whole batch, float32 rounding can push it past 1.
+    raw_w = torch.exp(torch.where(mb, prox - micro.logp_behav, 0.0).double())
+    acc["w_sum"] += float(torch.where(mb, raw_w, 0.0).sum())
+    acc["w_sq_sum"] += float(torch.where(mb, raw_w.square(), 0.0).sum())
+    acc["tokens"] += n_tok
+    for key in ("opmd/residual_mean", "opmd/residual_abs_mean", "opmd/log_ratio_mean"):
+        if key in stats:
+            acc[key] += stats[key] * n_tok
+
+
+def _optimizer_step(model, optimizer, grad_clip: float) -> float:
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+def train_step(cfg: Config, models: Models, local: Batch) -> dict[str, float]:
+    """One learner step on this rank's rows (whole groups); returns global diagnostics."""
+    t = cfg.train
+    models.policy.train()
+    N = local.tokens.shape[0]
+    rows_per_micro = max(1, cfg.learner.micro_batch_size // t.group_size) * t.group_size
+    rows_per_mb = N // t.minibatches
+    temperature = cfg.actors.temperature
+
+    prox = ref = values = None
+    if t.minibatches > 1:
+        prox = _no_grad_pass(lambda b: forward_logp(models.policy, b, temperature)[0], local, rows_per_micro)
+    if models.reference is not None:
+        ref = _no_grad_pass(lambda b: forward_logp(models.reference, b, temperature)[0], local, rows_per_micro)
+    if models.critic is not None:
+        values = _no_grad_pass(lambda b: forward_values(models.critic, b), local, rows_per_micro)
+    adv, returns, rewards = compute_advantages(cfg, local, ref, values)
+    local.rewards = rewards  # OPMD regresses on the (possibly KL-penalized) rewards
+    denominators = _denominators(cfg, local, rows_per_mb)
+
+    acc: dict[str, float] = collections.defaultdict(float)
+    for k in range(t.minibatches):
+        for start in range(k * rows_per_mb, (k + 1) * rows_per_mb, rows_per_micro):
+            stop = min(start + rows_per_micro, (k + 1) * rows_per_mb)
+            rows = slice(start, stop)
+            _micro_loss(cfg, models, local.rows(start, stop), adv[rows],
+                        None if prox is None else prox[rows], None if ref is None else ref[rows],
+                        None if returns is None else returns[rows], None if values is None else values[rows],
+                        denominators[k], acc)
+        acc["learner/grad_norm"] += _optimizer_step(models.policy, models.optimizer, t.grad_clip) / dist.get_world_size()
+        if models.critic is not None:
+            acc["critic/grad_norm"] += _optimizer_step(models.critic, models.critic_optimizer,
+                                                       t.grad_clip) / dist.get_world_size()
+
+    # One all_reduce for every diagnostic; every rank built the same keys in the same order.
+    keys = sorted(acc)
+    summed = dict(zip(keys, _all_reduce_sum(torch.tensor([acc[k] for k in keys], dtype=torch.float64,
+                                                         device=local.tokens.device)).tolist()))
+    n_tok = max(summed.pop("tokens"), 1e-12)
+    w_sum, w_sq_sum = summed.pop("w_sum"), summed.pop("w_sq_sum")
+    out = {}
+    for key, value in summed.items():
+        if key.startswith(("loss/", "learner/", "critic/grad")):
+            out[key] = value / t.minibatches  # mean over the step's optimizer steps
+        else:
+            out[key if "/" in key else f"is/{key}"] = value / n_tok  # token means
+    out["is/ess"] = w_sum * w_sum / max(n_tok * w_sq_sum, 1e-12)
+    return out

@@ -1,0 +1,48 @@
+"""The demo trains with every loss / advantage / regularizer choice: real processes
+(learner ranks, actors, ZeroMQ, weight sync), two small steps each. Learning itself is
+measured by analysis/staleness_sweep.py; here every step must be finite, complete and
+carry the diagnostics of the chosen algorithm."""
+import math
+
+import pytest
+from conftest import read_metrics, train
+
+from async_rl.metrics import STEP_KEYS
+
+CASES = {
+    # choice: (overrides, keys that must appear on every step line)
+    "ppo-naive-drgrpo-minibatches": (["train.ppo.decoupled=false", "train.advantage=drgrpo", "train.minibatches=2",
+                                      "train.ppo.dual_clip=3.0", "train.ppo.eps_high=0.28"],
+                                     ["is/clip_frac_low", "is/clip_frac_high", "is/dual_clip_frac"]),
+    "ppo-decoupled-rloo-entropy": (["train.advantage=rloo", "train.entropy_coef=0.01", "train.minibatches=2",
+                                    "train.agg=seq-mean-token-sum"], ["loss/entropy", "is/capped_frac"]),
+    "opmd-length-norm": (["train.loss=opmd", "train.opmd.length_norm=true", "train.agg=seq-mean-token-mean"],
+                         ["opmd/residual_abs_mean"]),
+    "reinforce_pp-kl-reward": (["train.advantage=reinforce_pp", "train.kl.coef=0.05", "train.kl.mode=reward",
+                                "train.kl.estimator=k2"], ["policy/kl_ref"]),
+    "remax-kl-loss": (["train.advantage=remax", "train.kl.coef=0.05", "train.kl.estimator=k1"],
+                      ["policy/kl_ref", "loss/kl"]),
+    "gae-critic": (["train.advantage=gae", "train.critic.lam=0.9", "train.gamma=0.99", "checkpoint.every=1"],
+                   ["loss/value", "critic/value_mean", "critic/grad_norm"]),
+}
+
+
+@pytest.mark.parametrize("choice", list(CASES))
+def test_demo_trains_with(choice, tmp_path, demo_model):
+    overrides, keys = CASES[choice]
+    run = tmp_path / choice
+    train(run, demo_model, "train.max_steps=2", "learner.ranks=1", *overrides)
+    steps, evals = read_metrics(run)
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert set(STEP_KEYS) | {"is/mismatch_kl", "policy/entropy", "train/response_len_mean", *keys} <= s.keys()
+        bad = {k: v for k, v in s.items() if not isinstance(v, (int, float)) or not math.isfinite(v)}
+        assert not bad, f"non-finite metrics: {bad}"
+        assert s["wire/rejected"] == 0 and s["staleness/dropped"] == 0
+        assert 0.0 < s["is/ess"] <= 1.0 + 1e-9 and s["policy/entropy"] > 0
+    assert evals[-1]["step"] == 2
+    if choice == "gae-critic":  # the critic and its optimizer are part of the resumable checkpoint
+        from torch.distributed.checkpoint import FileSystemReader
+
+        stored = FileSystemReader(str(run / "checkpoints" / "step_000001")).read_metadata().state_dict_metadata
+        assert any(k.startswith("critic.") for k in stored) and any(k.startswith("critic_optim.") for k in stored)
