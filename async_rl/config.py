@@ -83,7 +83,7 @@ class CriticConfig(_Section):
 
 
 class TrainConfig(_Section):
-    max_steps: int = Field(60, ge=1, description="Optimizer steps (= final policy version).")
+    max_steps: int = Field(60, ge=1, description="Learner steps (= final policy version); each makes train.minibatches optimizer steps.")
     batch_groups: int = Field(64, ge=1, description="Prompt groups consumed per learner step.")
     group_size: int = Field(8, ge=1, description="Responses sampled per prompt (G).")
     loss: Literal["ppo", "opmd"] = Field("ppo", description="Policy loss.")

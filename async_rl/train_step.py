@@ -35,13 +35,17 @@ class Models:
     critic_optimizer: torch.optim.Optimizer | None = None
 
 
-def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False):
+def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False, entropy_grad: bool = False):
     """Log-probs `[N, L-1]` of the batch's next tokens under `model`, at the actors'
     sampling temperature (their recorded log-probs are tempered too); optionally the
-    per-token entropy of the same distribution."""
+    per-token entropy of the same distribution, with a graph only when it is a loss
+    term (on a large vocabulary that graph is as big as the logits)."""
     logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits[:, :-1].float() / temperature
     logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
-    return logp, (algorithms.token_entropy(logits) if entropy else None)
+    if not entropy:
+        return logp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logp, algorithms.token_entropy(logits)
 
 
 def forward_values(critic, batch: Batch) -> torch.Tensor:
@@ -99,7 +103,8 @@ def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, retur
     t, world = cfg.train, dist.get_world_size()
     m = micro.loss_mask
     mb = m.bool()
-    logp, entropy = forward_logp(models.policy, micro, cfg.actors.temperature, entropy=True)
+    logp, entropy = forward_logp(models.policy, micro, cfg.actors.temperature, entropy=True,
+                                 entropy_grad=t.entropy_coef > 0)
     if prox is None:  # one optimizer step per batch: the proximal policy is the current one
         prox = logp.detach()
     policy_d, agg_d, tokens = denom.tolist()
@@ -121,9 +126,8 @@ def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, retur
         acc["policy/kl_ref"] += float(torch.where(mb, kl.detach(), 0.0).sum())
         if t.kl.mode == "loss":
             terms["loss/kl"] = t.kl.coef * algorithms.aggregate(kl, m, t.agg) * (d_agg / agg_d)
-    entropy_mean = algorithms.aggregate(entropy, m, t.agg) * (d_agg / agg_d)
     if t.entropy_coef > 0:
-        terms["loss/entropy"] = -t.entropy_coef * entropy_mean
+        terms["loss/entropy"] = -t.entropy_coef * algorithms.aggregate(entropy, m, t.agg) * (d_agg / agg_d)
     total = sum(terms.values())
     (total * world).backward()
     if models.critic is not None:
