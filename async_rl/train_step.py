@@ -142,8 +142,10 @@ def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, retur
         acc[name] += float(term.detach())
     acc["loss/total"] += float(total.detach())
     acc["policy/entropy"] += float(torch.where(mb, entropy.detach(), 0.0).sum())
-    for key in ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "is/capped_frac", "mismatch_kl"):
+    for key in ("clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "is/capped_frac"):
         acc[key] += stats.get(key, 0.0) * n_tok
+    # k3 of KL(behavior || proximal), for every loss: how far the data is from the policy.
+    acc["mismatch_kl"] += float(torch.where(mb, algorithms.kl_estimate(micro.logp_behav, prox, "k3"), 0.0).sum())
     # Importance weights behavior -> proximal over the whole batch, before any cap:
     # how off-policy the data is, whichever loss uses (or ignores) them.
     # float64: the ESS is a ratio of sums over the whole batch, float32 rounding can push it past 1.
