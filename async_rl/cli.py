@@ -1,4 +1,4 @@
-"""Command line: `async-rl train`, `async-rl actor`, `async-rl config-doc`."""
+"""Command line: `async-rl train`, `async-rl actor`, `async-rl keys`, `async-rl config-doc`."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     p_actor = sub.add_parser("actor", help="one actor process that joins a running hub")
     p_actor.add_argument("--hub", required=True, help="the hub address, tcp://HOST:PORT (endpoints.json: hub)")
     p_actor.add_argument("--name", default=None, help="a name for logs and endpoints.json")
+    p_actor.add_argument("--keys", default=None, help="CURVE key directory (`async-rl keys`), when the hub requires it")
+    p_keys = sub.add_parser("keys", help="make CURVE key pairs for security.curve=true")
+    p_keys.add_argument("dir", help="directory to write server.key*, client.key* and authorized/ into")
     sub.add_parser("config-doc", help="print the config reference as a markdown table")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -26,11 +29,20 @@ def main(argv: list[str] | None = None) -> int:
 
         print(reference_markdown())
         return 0
+    if args.command == "keys":
+        from .transport.security import make_keys
+
+        try:
+            print(f"CURVE keys written to {make_keys(args.dir)}; copy the directory to actor machines")
+        except FileExistsError as err:
+            print(f"async-rl: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "actor":
         from .roles.actor import run_actor
         from .runtime import exit_now
 
-        exit_now(run_actor(args.hub, args.name))  # the actor held gloo groups: see exit_now
+        exit_now(run_actor(args.hub, args.name, args.keys))  # the actor held gloo groups: see exit_now
     try:
         cfg = load_config(args.config, args.overrides)
         from .launcher import train

@@ -98,6 +98,7 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup steps.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0.0, description="Gradient-norm clip.")
+    max_skipped_steps: int = Field(5, ge=1, description="A step whose loss or gradient is non-finite is skipped (weights unchanged, counted in learner/skipped_steps); this many consecutive ones stop the run with a checkpoint and exit status 3.")
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     opmd: OPMDConfig = Field(default_factory=OPMDConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
@@ -127,6 +128,11 @@ class TransportConfig(_Section):
     timeout_s: float = Field(30.0, gt=0.0, description="Send/receive timeout for every socket operation.")
 
 
+class SecurityConfig(_Section):
+    curve: bool = Field(False, description="ZeroMQ CURVE on the hub and experience sockets: encrypted, and only actors holding the client key are admitted.")
+    keys_dir: str | None = Field(None, description="Directory made by `async-rl keys DIR` (required when security.curve=true).")
+
+
 class Config(_Section):
     name: str = Field("demo", description="Run name, used for the default run_dir.")
     run_dir: str | None = Field(None, description="Run directory (default runs/<name>-<timestamp>).")
@@ -141,6 +147,7 @@ class Config(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @model_validator(mode="after")
     def _combinations(self) -> "Config":
@@ -160,6 +167,8 @@ class Config(_Section):
         if self.task.name == "jsonl" and (not self.task.train_path or not self.task.reward):
             key = "task.train_path" if not self.task.train_path else "task.reward"
             raise ValueError(f"{key}: required when task.name=jsonl")
+        if self.security.curve and not self.security.keys_dir:
+            raise ValueError("security.keys_dir: required when security.curve=true (make keys with `async-rl keys DIR`)")
         if self.sync.in_flight:
             raise ValueError("sync.in_flight: in-flight weight updates are not supported yet; use false")
         if self.actors.engine == "vllm":

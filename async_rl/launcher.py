@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from .config import Config, ConfigError, resolve_run_dir, to_yaml
-from .runtime import make_task_from_config
+from .runtime import make_task_from_config, read_status
 
 log = logging.getLogger("async_rl.launch")
 GRACE_S = 30.0
@@ -102,7 +102,8 @@ def train(cfg: Config) -> int:
         for i in range(cfg.actors.count):
             out = open(logs / f"actor-{i}.log", "ab")
             actors.append(subprocess.Popen(
-                [sys.executable, "-m", "async_rl.cli", "actor", "--hub", hub, "--name", f"actor-{i}"],
+                [sys.executable, "-m", "async_rl.cli", "actor", "--hub", hub, "--name", f"actor-{i}",
+                 *(["--keys", cfg.security.keys_dir] if cfg.security.curve else [])],
                 env=_child_env(cfg.actors.threads), stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         while learner.poll() is None and not interrupted:
             time.sleep(0.2)
@@ -125,6 +126,10 @@ def train(cfg: Config) -> int:
     print_summary(run_dir)
     if interrupted:
         return 130
+    status = read_status(run_dir)
+    if learner.returncode == 0 and status and status["exit_code"]:
+        print(f"async-rl: {status['reason']}", file=sys.stderr)
+        return int(status["exit_code"])
     return learner.returncode if learner.returncode is not None else 1
 
 

@@ -1,9 +1,11 @@
 """Glue from a Config to concrete components, shared by the learner and the actors."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -58,3 +60,21 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+EXIT_NONFINITE = 3  # `async-rl train` status after repeated non-finite steps
+STATUS_FILE = "status.json"
+
+
+def write_status(run_dir: Path, exit_code: int, reason: str) -> None:
+    """How the learner ended, for the launcher: {"exit_code": int, "reason": str}."""
+    tmp = run_dir / (STATUS_FILE + ".tmp")
+    tmp.write_text(json.dumps({"exit_code": exit_code, "reason": reason}))
+    os.replace(tmp, run_dir / STATUS_FILE)
+
+
+def read_status(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None

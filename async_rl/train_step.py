@@ -15,6 +15,7 @@ single process training on the whole batch (tests/test_fsdp.py checks it to 1e-6
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass
 
 import torch
@@ -158,13 +159,37 @@ def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, retur
             acc[key] += stats[key] * n_tok
 
 
-def _optimizer_step(model, optimizer, grad_clip: float) -> float:
+def _grad_norm(model, grad_clip: float) -> torch.Tensor:
+    """Clip to `grad_clip` and return the global (all-rank) norm before clipping."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    if isinstance(grad_norm, DTensor):
-        grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
+    return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+
+
+def _finite_everywhere(*values: torch.Tensor | float) -> bool:
+    """True when every value is finite on every rank (one all_reduce, so all ranks agree)."""
+    bad = torch.tensor([0.0 if all(math.isfinite(float(v)) for v in values) else 1.0],
+                       device=values[0].device if isinstance(values[0], torch.Tensor) else "cpu")
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad.item() == 0.0)
+
+
+def _optimizer_steps(models: Models, grad_clip: float, local_loss: float, acc) -> None:
+    """Step the policy (and critic), or skip both when any loss or gradient is non-finite:
+    one bad batch (an overflowing reward, a corrupt sample) must not poison the weights."""
+    world = dist.get_world_size()
+    norms = [_grad_norm(models.policy, grad_clip)]
+    if models.critic is not None:
+        norms.append(_grad_norm(models.critic, grad_clip))
+    ok = _finite_everywhere(*norms, local_loss)
+    pairs = [(models.policy, models.optimizer)] + ([(models.critic, models.critic_optimizer)] if models.critic else [])
+    for _, optimizer in pairs:
+        if ok:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    acc["learner/skipped_steps"] += 0.0 if ok else 1.0 / world
+    acc["learner/grad_norm"] += float(norms[0]) / world if ok else 0.0
+    if models.critic is not None:
+        acc["critic/grad_norm"] += float(norms[1]) / world if ok else 0.0
 
 
 def train_step(cfg: Config, models: Models, local: Batch) -> dict[str, float]:
@@ -189,6 +214,7 @@ def train_step(cfg: Config, models: Models, local: Batch) -> dict[str, float]:
 
     acc: dict[str, float] = collections.defaultdict(float)
     for k in range(t.minibatches):
+        loss_before = acc["loss/total"] + acc.get("loss/value", 0.0)
         for start in range(k * rows_per_mb, (k + 1) * rows_per_mb, rows_per_micro):
             stop = min(start + rows_per_micro, (k + 1) * rows_per_mb)
             rows = slice(start, stop)
@@ -196,10 +222,7 @@ def train_step(cfg: Config, models: Models, local: Batch) -> dict[str, float]:
                         None if prox is None else prox[rows], None if ref is None else ref[rows],
                         None if returns is None else returns[rows], None if values is None else values[rows],
                         denominators[k], acc)
-        acc["learner/grad_norm"] += _optimizer_step(models.policy, models.optimizer, t.grad_clip) / dist.get_world_size()
-        if models.critic is not None:
-            acc["critic/grad_norm"] += _optimizer_step(models.critic, models.critic_optimizer,
-                                                       t.grad_clip) / dist.get_world_size()
+        _optimizer_steps(models, t.grad_clip, acc["loss/total"] + acc.get("loss/value", 0.0) - loss_before, acc)
 
     # One all_reduce for every diagnostic; every rank built the same keys in the same order.
     keys = sorted(acc)
@@ -209,7 +232,9 @@ def train_step(cfg: Config, models: Models, local: Batch) -> dict[str, float]:
     w_sum, w_sq_sum = summed.pop("w_sum"), summed.pop("w_sq_sum")
     out = {}
     for key, value in summed.items():
-        if key.startswith(("loss/", "learner/", "critic/grad")):
+        if key == "learner/skipped_steps":
+            out[key] = round(value)  # optimizer steps skipped in this learner step
+        elif key.startswith(("loss/", "learner/", "critic/grad")):
             out[key] = value / t.minibatches  # mean over the step's optimizer steps
         else:
             out[key if "/" in key else f"is/{key}"] = value / n_tok  # token means

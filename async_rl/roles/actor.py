@@ -22,6 +22,7 @@ from ..config import Config, from_yaml
 from ..engines import make_engine
 from ..transport import (ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder, Wait,
                          Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
+from ..transport.security import secure_client
 from ..weight_sync import WeightReceiver
 from ..runtime import load_tokenizer, make_task_from_config, quiet_libraries, resolve_device, sync_backend
 
@@ -31,8 +32,10 @@ log = logging.getLogger("async_rl.actor")
 class HubClient:
     """One DEALER socket to the hub with timeouts on every operation."""
 
-    def __init__(self, ctx: zmq.Context, hub_addr: str, timeout_s: float):
+    def __init__(self, ctx: zmq.Context, hub_addr: str, timeout_s: float, keys_dir: str | None = None):
         self.sock = ctx.socket(zmq.DEALER)
+        if keys_dir:
+            secure_client(self.sock, keys_dir)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
@@ -53,8 +56,9 @@ class HubClient:
                 return reply
 
 
-def _heartbeat_loop(ctx: zmq.Context, hub_addr: str, state: dict, stop: threading.Event, every_s: float) -> None:
-    client = HubClient(ctx, hub_addr, timeout_s=every_s * 5)
+def _heartbeat_loop(ctx: zmq.Context, hub_addr: str, keys_dir: str | None, state: dict, stop: threading.Event,
+                    every_s: float) -> None:
+    client = HubClient(ctx, hub_addr, timeout_s=every_s * 5, keys_dir=keys_dir)
     try:
         while not stop.wait(every_s):
             try:
@@ -66,10 +70,11 @@ def _heartbeat_loop(ctx: zmq.Context, hub_addr: str, state: dict, stop: threadin
         client.sock.close(0)
 
 
-def run_actor(hub_addr: str, name: str | None = None) -> int:
+def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = None) -> int:
+    """`keys_dir`: the directory of `async-rl keys`, when the hub requires CURVE."""
     ctx = zmq.Context()
     name = name or f"actor-{socket.gethostname()}-{os.getpid()}"
-    hub = HubClient(ctx, hub_addr, timeout_s=60.0)
+    hub = HubClient(ctx, hub_addr, timeout_s=60.0, keys_dir=keys_dir)
     welcome = hub.request(Hello(actor_name=name, pid=os.getpid(), host=socket.gethostname()))
     if not isinstance(welcome, Welcome):
         log.error("hub refused registration: %s", welcome)
@@ -85,6 +90,8 @@ def run_actor(hub_addr: str, name: str | None = None) -> int:
     receiver = WeightReceiver(engine.parameters_for_sync(), bucket_mb=cfg.sync.bucket_mb,
                               backend=sync_backend(device), timeout_s=cfg.sync.timeout_s)
     push = ctx.socket(zmq.PUSH)
+    if keys_dir:
+        secure_client(push, keys_dir)
     push.setsockopt(zmq.LINGER, int(cfg.transport.timeout_s * 1000))
     push.setsockopt(zmq.SNDHWM, cfg.transport.hwm)  # learner stalls -> we block here, memory stays bounded
     push.setsockopt(zmq.SNDTIMEO, int(cfg.transport.timeout_s * 1000))
@@ -93,7 +100,7 @@ def run_actor(hub_addr: str, name: str | None = None) -> int:
     actor_id = welcome.actor_id
     state = {"actor_id": actor_id, "version": 0, "generated": 0}
     stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat_loop, args=(ctx, hub_addr, state, stop, cfg.actors.heartbeat_s),
+    beat = threading.Thread(target=_heartbeat_loop, args=(ctx, hub_addr, keys_dir, state, stop, cfg.actors.heartbeat_s),
                             daemon=True)
     beat.start()
     generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + actor_id)

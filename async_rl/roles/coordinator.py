@@ -25,6 +25,7 @@ from ..replay_buffer import ReplayBuffer
 from ..tasks.base import Task
 from ..transport import (ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder, Wait,
                          Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
+from ..transport.security import CurveServer
 from ..weight_sync import WeightBroadcaster
 
 log = logging.getLogger("async_rl.coordinator")
@@ -87,8 +88,10 @@ class Coordinator:
         return len(self.actors)
 
     # -- the loop -----------------------------------------------------------------
-    def _bind(self, ctx: zmq.Context, kind: int, port: int) -> tuple[zmq.Socket, str]:
+    def _bind(self, ctx: zmq.Context, kind: int, port: int, curve) -> tuple[zmq.Socket, str]:
         sock = ctx.socket(kind)
+        if curve is not None:
+            curve.secure(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.cfg.transport.hwm if kind == zmq.PULL else 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
@@ -102,9 +105,10 @@ class Coordinator:
 
     def _run(self) -> None:
         ctx = zmq.Context()
-        hub, self.hub_addr = self._bind(ctx, zmq.ROUTER, self.cfg.transport.hub_port)
+        curve = CurveServer(ctx, self.cfg.security.keys_dir) if self.cfg.security.curve else None
+        hub, self.hub_addr = self._bind(ctx, zmq.ROUTER, self.cfg.transport.hub_port, curve)
         hub.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        pull, self.experience_addr = self._bind(ctx, zmq.PULL, self.cfg.transport.experience_port)
+        pull, self.experience_addr = self._bind(ctx, zmq.PULL, self.cfg.transport.experience_port, curve)
         self._write_endpoints()
         self._ready.set()
         poller = zmq.Poller()
@@ -128,6 +132,8 @@ class Coordinator:
         finally:
             hub.close(0)
             pull.close(0)
+            if curve is not None:
+                curve.stop()
             ctx.term()
             self._stopped.set()
 

@@ -31,7 +31,8 @@ from ..batching import Batch, build_batch, order_for_ranks, scatter_batch
 from ..checkpoint import save_checkpoint, save_hf_model
 from ..config import Config, load_config
 from ..evaluation import evaluate
-from ..runtime import load_tokenizer, make_task_from_config, quiet_libraries, resolve_device, sync_backend
+from ..runtime import (EXIT_NONFINITE, load_tokenizer, make_task_from_config, quiet_libraries, resolve_device,
+                       sync_backend, write_status)
 from ..train_step import Models, train_step
 
 log = logging.getLogger("async_rl.learner")
@@ -187,11 +188,19 @@ class Learner:
         cfg = self.cfg
         self._evaluate()
         samples_total, last_end = 0, time.monotonic()
+        skipped_total = skipped_streak = 0
+        stop_reason = None
         while self.version < cfg.train.max_steps:
             local, info = self._next_batch()
             if local is None:
                 break
             stats = train_step(cfg, self.models, local)
+            skipped_total += stats["learner/skipped_steps"]
+            skipped_streak = skipped_streak + 1 if stats["learner/skipped_steps"] else 0
+            if skipped_streak and self.rank == 0:
+                log.warning("step %d: non-finite loss or gradient, %d optimizer step(s) skipped (%d in a row)",
+                            self.version + 1, stats["learner/skipped_steps"], skipped_streak)
+            stats["learner/skipped_steps"] = skipped_total
             stats["learner/lr"] = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             self.version += 1
@@ -215,12 +224,26 @@ class Learner:
                     "wire/rejected": c.rejects.total, "actors/live": c.live_actors,
                     "data/prompts_admitted": c.admission.admitted, "data/prompts_consumed": c.buffer.consumed,
                 })
+            if skipped_streak >= cfg.train.max_skipped_steps:
+                # Every rank counts the same streak (the skip decision is all-reduced).
+                if self.rank == 0:
+                    log.error("stopping: %d consecutive steps with a non-finite loss or gradient (last at step %d); "
+                              "weights are those of the last finite step, checkpoint at %s", skipped_streak,
+                              self.version, self.run_dir / "checkpoints" / f"step_{self.version:06d}")
+                stop_reason = (f"stopped: {skipped_streak} consecutive steps with a non-finite loss or gradient "
+                               f"(train.max_skipped_steps={cfg.train.max_skipped_steps}); the last checkpoint "
+                               f"holds the weights of the last finite step")
+                break
             if cfg.eval.every and self.version % cfg.eval.every == 0 and self.version < cfg.train.max_steps:
                 self._evaluate()
             if cfg.checkpoint.every and self.version % cfg.checkpoint.every == 0 and self.version < cfg.train.max_steps:
                 self._checkpoint()
         self._evaluate()
         self._finish()
+        if self.rank == 0:
+            # torchrun turns a worker's nonzero exit into its own error report, so the
+            # outcome travels to the launcher in a file and every rank exits 0.
+            write_status(self.run_dir, EXIT_NONFINITE if stop_reason else 0, stop_reason or "finished")
         return 0
 
     def _checkpoint(self) -> None:

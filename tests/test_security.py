@@ -1,0 +1,69 @@
+"""CURVE: `async-rl keys`, and a hub that refuses every peer without the client key."""
+import subprocess
+import sys
+
+import pytest
+import torch
+import zmq
+
+from async_rl.config import build_config
+from async_rl.roles.coordinator import Coordinator
+from async_rl.tasks import make_task
+from async_rl.transport import Hello, RejectCounter, Welcome, WireLimits, recv, send
+from async_rl.transport.security import make_keys, secure_client
+from async_rl.weight_sync import WeightBroadcaster
+
+
+def test_keys_command_writes_key_pairs_and_refuses_to_overwrite(tmp_path):
+    keys = tmp_path / "keys"
+    cmd = [sys.executable, "-m", "async_rl.cli", "keys", str(keys)]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    names = {p.relative_to(keys).as_posix() for p in keys.rglob("*") if p.is_file()}
+    assert names == {"server.key", "server.key_secret", "client.key", "client.key_secret", "authorized/client.key"}
+    assert (keys / "client.key_secret").stat().st_mode & 0o077 == 0  # secrets readable by the owner only
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "already exist" in again.stderr and len(again.stderr.splitlines()) == 1
+
+
+@pytest.fixture
+def curve_hub(tmp_path):
+    keys = make_keys(tmp_path / "keys")
+    cfg = build_config({"max_staleness": 0, "train": {"batch_groups": 4, "group_size": 2}, "learner": {"ranks": 1},
+                        "transport": {"timeout_s": 5}, "security": {"curve": True, "keys_dir": str(keys)}})
+    bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
+                           device=torch.device("cpu"), timeout_s=5)
+    coord = Coordinator(cfg, make_task("arithmetic", seed=0), bc, tmp_path)
+    coord.start()
+    ctx = zmq.Context()
+    yield coord, ctx, keys
+    coord.stop(drain_s=0.2)
+    bc.close()
+    ctx.destroy(linger=0)
+
+
+def hello(ctx, addr, keys_dir=None, timeout_ms=5000):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys_dir is not None:
+        secure_client(sock, keys_dir)
+    sock.connect(addr)
+    send(sock, Hello(actor_name="t", pid=1, host="h"))
+    try:
+        return recv(sock, WireLimits(), RejectCounter(), routed=False)[1]
+    except zmq.Again:
+        return None
+    finally:
+        sock.close(0)
+
+
+def test_curve_hub_admits_the_key_holder_and_refuses_everyone_else(curve_hub, tmp_path):
+    coord, ctx, keys = curve_hub
+    assert hello(ctx, coord.hub_addr, timeout_ms=1500) is None  # plain ZeroMQ peer: no handshake, no reply
+    strangers = make_keys(tmp_path / "other")  # valid CURVE keys the hub does not know
+    (strangers / "server.key").write_bytes((keys / "server.key").read_bytes())  # ... even with the hub's public key
+    assert hello(ctx, coord.hub_addr, strangers, timeout_ms=1500) is None
+    assert coord.live_actors == 0 and coord.rejects.total == 0  # nothing reached our code
+    assert isinstance(hello(ctx, coord.hub_addr, keys), Welcome)
+    assert coord.live_actors == 1
