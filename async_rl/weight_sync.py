@@ -144,11 +144,13 @@ class WeightBroadcaster:
     def sent_version(self) -> int | None:
         return self._sent_version
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
+        """Stop the broadcast thread; wait at most `wait_s` (default: one sync timeout)
+        for a broadcast in flight."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join(timeout=self.timeout_s + 5)
+        self._thread.join(timeout=self.timeout_s + 5 if wait_s is None else wait_s)
 
     # -- the broadcast thread ---------------------------------------------------
     def _run(self) -> None:

@@ -259,7 +259,9 @@ class Learner:
             # The final evaluation just loaded the final weights into the eval copy.
             save_hf_model(self.eval_engine.model, self.tokenizer, self.run_dir / "final")
             self.coordinator.stop()
-            self.broadcaster.close()
+            # Actors already said goodbye: a broadcast still waiting for them (the last
+            # step's weights) would only run into its timeout, so do not wait for it.
+            self.broadcaster.close(wait_s=1.0)
             self.metrics.close()
 
     def _coordinator_state(self) -> dict:
