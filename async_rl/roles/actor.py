@@ -100,8 +100,8 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
     actor_id = welcome.actor_id
     state = {"actor_id": actor_id, "version": 0, "generated": 0}
     stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat_loop, args=(ctx, hub_addr, keys_dir, state, stop, cfg.actors.heartbeat_s),
-                            daemon=True)
+    beat = threading.Thread(target=_heartbeat_loop, daemon=True,
+                            args=(ctx, hub_addr, keys_dir, state, stop, cfg.actors.heartbeat_s))
     beat.start()
     generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + actor_id)
     log.info("actor %d ready (%s) on %s", actor_id, name, device)
