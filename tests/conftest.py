@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import subprocess
@@ -39,3 +40,30 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """(step lines, evaluation lines) of a run's metrics.jsonl."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [l for l in lines if "loss/total" in l], [l for l in lines if "eval/accuracy" in l]
+
+
+@contextlib.contextmanager
+def running_coordinator(run_dir: Path, config: dict):
+    """A real Coordinator (its own thread and ZeroMQ sockets) for a small synchronous run,
+    with a one-tensor weight broadcaster; yields (coordinator, zmq context, task)."""
+    import torch
+    import zmq
+
+    from async_rl.config import build_config
+    from async_rl.roles.coordinator import Coordinator
+    from async_rl.tasks import make_task
+    from async_rl.weight_sync import WeightBroadcaster
+
+    cfg = build_config({"max_staleness": 0, "learner": {"ranks": 1}, "transport": {"timeout_s": 5}, **config})
+    task = make_task("arithmetic", seed=0)
+    bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
+                           device=torch.device("cpu"), timeout_s=5)
+    coord = Coordinator(cfg, task, bc, run_dir)
+    coord.start()
+    ctx = zmq.Context()
+    try:
+        yield coord, ctx, task
+    finally:
+        coord.stop(drain_s=0.2)
+        bc.close()
+        ctx.destroy(linger=0)

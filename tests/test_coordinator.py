@@ -6,31 +6,18 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from conftest import running_coordinator
 
-from async_rl.config import build_config
-from async_rl.roles.coordinator import Coordinator
-from async_rl.tasks import make_task
 from async_rl.transport import (ExperienceGroup, Goodbye, Hello, RejectCounter, Wait, Welcome, WireLimits,
                                 WorkGrant, WorkRequest, encode, recv, send)
-from async_rl.weight_sync import WeightBroadcaster
 
 G = 2
 
 
 @pytest.fixture
 def hub(tmp_path):
-    cfg = build_config({"max_staleness": 0, "train": {"batch_groups": 4, "group_size": G},
-                        "learner": {"ranks": 1}, "transport": {"timeout_s": 5}})
-    task = make_task("arithmetic", seed=0)
-    bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
-                           device=torch.device("cpu"), timeout_s=5)
-    coord = Coordinator(cfg, task, bc, tmp_path)
-    coord.start()
-    ctx = zmq.Context()
-    yield coord, ctx, task
-    coord.stop(drain_s=0.2)
-    bc.close()
-    ctx.destroy(linger=0)
+    with running_coordinator(tmp_path, {"train": {"batch_groups": 4, "group_size": G}}) as running:
+        yield running
 
 
 def dealer(ctx, addr):

@@ -3,15 +3,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 import zmq
+from conftest import running_coordinator
 
-from async_rl.config import build_config
-from async_rl.roles.coordinator import Coordinator
-from async_rl.tasks import make_task
 from async_rl.transport import Hello, RejectCounter, Welcome, WireLimits, recv, send
 from async_rl.transport.security import make_keys, secure_client
-from async_rl.weight_sync import WeightBroadcaster
 
 
 def test_keys_command_writes_key_pairs_and_refuses_to_overwrite(tmp_path):
@@ -29,17 +25,9 @@ def test_keys_command_writes_key_pairs_and_refuses_to_overwrite(tmp_path):
 @pytest.fixture
 def curve_hub(tmp_path):
     keys = make_keys(tmp_path / "keys")
-    cfg = build_config({"max_staleness": 0, "train": {"batch_groups": 4, "group_size": 2}, "learner": {"ranks": 1},
-                        "transport": {"timeout_s": 5}, "security": {"curve": True, "keys_dir": str(keys)}})
-    bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
-                           device=torch.device("cpu"), timeout_s=5)
-    coord = Coordinator(cfg, make_task("arithmetic", seed=0), bc, tmp_path)
-    coord.start()
-    ctx = zmq.Context()
-    yield coord, ctx, keys
-    coord.stop(drain_s=0.2)
-    bc.close()
-    ctx.destroy(linger=0)
+    config = {"train": {"batch_groups": 4, "group_size": 2}, "security": {"curve": True, "keys_dir": str(keys)}}
+    with running_coordinator(tmp_path, config) as (coord, ctx, _):
+        yield coord, ctx, keys
 
 
 def hello(ctx, addr, keys_dir=None, timeout_ms=5000):
