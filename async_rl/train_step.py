@@ -99,8 +99,9 @@ def _denominators(cfg: Config, local: Batch, rows_per_mb: int) -> torch.Tensor:
     return _all_reduce_sum(torch.tensor(out, dtype=torch.float64, device=local.tokens.device)).cpu()
 
 
-def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, returns, old_values, denom, acc):
-    """Backward one micro-batch; accumulate its diagnostics into `acc` (sums)."""
+def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, returns, old_values, denom, acc) -> float:
+    """Backward one micro-batch; accumulate its diagnostics into `acc` (sums); return its
+    share of the minibatch loss (policy + regularizers + critic) on this rank."""
     t, world = cfg.train, dist.get_world_size()
     m = micro.loss_mask
     mb = m.bool()
@@ -131,11 +132,13 @@ def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, retur
         terms["loss/entropy"] = -t.entropy_coef * algorithms.aggregate(entropy, m, t.agg) * (d_agg / agg_d)
     total = sum(terms.values())
     (total * world).backward()
+    value_share = 0.0
     if models.critic is not None:
         values = forward_values(models.critic, micro)
         vloss, vstats = algorithms.value_loss(values, old_values, returns, m, clip=t.critic.value_clip)
         (vloss * (n_tok / tokens) * world).backward()
-        acc["loss/value"] += float(vloss.detach()) * n_tok / tokens
+        value_share = float(vloss.detach()) * n_tok / tokens
+        acc["loss/value"] += value_share
         acc["critic/value_mean"] += vstats["value_mean"] * n_tok
         acc["critic/clip_frac"] += vstats["value_clip_frac"] * n_tok
 
@@ -157,6 +160,7 @@ def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, retur
     for key in ("opmd/residual_mean", "opmd/residual_abs_mean", "opmd/log_ratio_mean"):
         if key in stats:
             acc[key] += stats[key] * n_tok
+    return float(total.detach()) + value_share
 
 
 def _grad_norm(model, grad_clip: float) -> torch.Tensor:
@@ -181,8 +185,9 @@ def _optimizer_steps(models: Models, grad_clip: float, local_loss: float, acc) -
     if models.critic is not None:
         norms.append(_grad_norm(models.critic, grad_clip))
     ok = _finite_everywhere(*norms, local_loss)
-    pairs = [(models.policy, models.optimizer)] + ([(models.critic, models.critic_optimizer)] if models.critic else [])
-    for _, optimizer in pairs:
+    for optimizer in (models.optimizer, models.critic_optimizer):
+        if optimizer is None:
+            continue
         if ok:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -214,15 +219,15 @@ def train_step(cfg: Config, models: Models, local: Batch) -> dict[str, float]:
 
     acc: dict[str, float] = collections.defaultdict(float)
     for k in range(t.minibatches):
-        loss_before = acc["loss/total"] + acc.get("loss/value", 0.0)
+        local_loss = 0.0  # this minibatch only: one bad minibatch must not condemn the next
         for start in range(k * rows_per_mb, (k + 1) * rows_per_mb, rows_per_micro):
             stop = min(start + rows_per_micro, (k + 1) * rows_per_mb)
             rows = slice(start, stop)
-            _micro_loss(cfg, models, local.rows(start, stop), adv[rows],
-                        None if prox is None else prox[rows], None if ref is None else ref[rows],
-                        None if returns is None else returns[rows], None if values is None else values[rows],
-                        denominators[k], acc)
-        _optimizer_steps(models, t.grad_clip, acc["loss/total"] + acc.get("loss/value", 0.0) - loss_before, acc)
+            local_loss += _micro_loss(cfg, models, local.rows(start, stop), adv[rows],
+                                      None if prox is None else prox[rows], None if ref is None else ref[rows],
+                                      None if returns is None else returns[rows],
+                                      None if values is None else values[rows], denominators[k], acc)
+        _optimizer_steps(models, t.grad_clip, local_loss, acc)
 
     # One all_reduce for every diagnostic; every rank built the same keys in the same order.
     keys = sorted(acc)
