@@ -38,7 +38,7 @@ def build_batch(groups, pad_id: int) -> Batch:
         for j in range(g.response_tokens.shape[0]):
             n = int(g.response_lengths[j])
             rows.append((prompt, g.response_tokens[j, :n].astype(np.int64), g.logprobs[j, :n],
-                         float(g.rewards[j]), g_index, getattr(g, "greedy_reward", None)))
+                         float(g.rewards[j]), g_index, g.greedy_reward))
     N = len(rows)
     L = max(len(p) + len(r) for p, r, *_ in rows)
     L = max(L, 2)

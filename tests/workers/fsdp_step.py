@@ -42,7 +42,7 @@ def synthetic_groups(n_groups: int, G: int, seed: int):
             response_tokens=rng.integers(3, 16, size=(G, T)).astype(np.int32),
             response_lengths=lengths,
             logprobs=(-rng.random((G, T)) * 3).astype(np.float32),
-            rewards=rng.integers(0, 2, size=G).astype(np.float32)))
+            rewards=rng.integers(0, 2, size=G).astype(np.float32), greedy_reward=None))
     return groups
 
 
