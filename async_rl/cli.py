@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     p_train = sub.add_parser("train", help="train on this machine: spawns the learner ranks and the actors")
     p_train.add_argument("config", help="YAML config file (see configs/)")
     p_train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=10")
+    p_train.add_argument("--resume", metavar="RUN_DIR", default=None,
+                         help="continue a stopped run from its latest complete checkpoint")
     p_actor = sub.add_parser("actor", help="one actor process that joins a running hub")
     p_actor.add_argument("--hub", required=True, help="the hub address, tcp://HOST:PORT (endpoints.json: hub)")
     p_actor.add_argument("--name", default=None, help="a name for logs and endpoints.json")
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         from .launcher import train
 
-        return train(cfg)
+        return train(cfg, args.resume)
     except ConfigError as err:
         print(f"async-rl: config error: {err}", file=sys.stderr)
         return 2

@@ -117,7 +117,8 @@ class EvalConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every: int = Field(0, ge=0, description="Resumable checkpoint every this many steps (0 = only at the end).")
+    every: int = Field(0, ge=0, description="Resumable checkpoint every this many steps (0 = only at the end); `--resume` loses at most this many steps.")
+    keep: int = Field(2, ge=1, description="Complete checkpoints kept in RUN_DIR/checkpoints; older ones are deleted once a newer one is complete.")
 
 
 class TransportConfig(_Section):

@@ -16,18 +16,52 @@ import sys
 import time
 from pathlib import Path
 
-from .config import Config, ConfigError, resolve_run_dir, to_yaml
+from .checkpoint import latest_checkpoint
+from .config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
 from .runtime import make_task_from_config, read_status
 
 log = logging.getLogger("async_rl.launch")
 GRACE_S = 30.0
+# A resumed run must keep these: they define the prompt stream, the admission slots,
+# the shape of buffered groups and which models the checkpoint holds.
+RESUME_FIXED = ("seed", "model.path", "task", "train.batch_groups", "train.group_size", "train.advantage")
 
 
-def prepare_run_dir(cfg: Config) -> Path:
+def _lookup(cfg: Config, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def find_resume_checkpoint(cfg: Config, resume: str) -> Path:
+    """The checkpoint `--resume RUN` continues from; ConfigError when there is none or
+    when the config changed a key the checkpoint depends on."""
+    run_dir = Path(resume).resolve()
+    if cfg.run_dir is None:
+        cfg.run_dir = str(run_dir)
+    elif Path(cfg.run_dir).resolve() != run_dir:
+        raise ConfigError(f"run_dir: {cfg.run_dir} differs from --resume {resume}; a run resumes in its own directory")
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
+    saved = from_yaml((checkpoint / "config.yaml").read_text())
+    if cfg.model.path == "demo":
+        cfg.model.path = str(run_dir / "base_model")
+    for key in RESUME_FIXED:
+        if _lookup(cfg, key) != _lookup(saved, key):
+            raise ConfigError(f"{key}: {_lookup(cfg, key)} differs from the checkpoint's {_lookup(saved, key)}; "
+                              f"a resumed run must keep it")
+    return checkpoint
+
+
+def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
     run_dir = resolve_run_dir(cfg).resolve()
-    if (run_dir / "metrics.jsonl").exists():
-        raise ConfigError(f"run_dir: {run_dir} already holds a run; choose another run_dir")
+    if (run_dir / "metrics.jsonl").exists() and not resuming:
+        raise ConfigError(f"run_dir: {run_dir} already holds a run; choose another run_dir (or --resume it)")
     run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("endpoints.json", "status.json"):  # the launcher waits for a fresh endpoints.json
+        (run_dir / stale).unlink(missing_ok=True)
     cfg.run_dir = str(run_dir)
     if cfg.model.path == "demo":
         from .models import build_demo_model
@@ -80,14 +114,17 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
             pass
 
 
-def train(cfg: Config) -> int:
-    run_dir = prepare_run_dir(cfg)
-    print(f"async-rl: run directory {run_dir}", file=sys.stderr)
+def train(cfg: Config, resume: str | None = None) -> int:
+    """`resume`: a run directory to continue from its latest complete checkpoint."""
+    checkpoint = find_resume_checkpoint(cfg, resume) if resume else None
+    run_dir = prepare_run_dir(cfg, resuming=checkpoint is not None)
+    print(f"async-rl: run directory {run_dir}" + (f", resuming from {checkpoint.name}" if checkpoint else ""),
+          file=sys.stderr)
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
     learner_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={cfg.learner.ranks}", "-m", "async_rl.roles.learner",
-                   str(run_dir / "config.yaml")]
+                   str(run_dir / "config.yaml"), *(["--resume", str(checkpoint)] if checkpoint else [])]
     learner = subprocess.Popen(learner_cmd, env=_child_env(cfg.learner.threads), start_new_session=True)
     actors: list[subprocess.Popen] = []
     interrupted = False

@@ -22,16 +22,40 @@ STEP_KEYS = (
 EVAL_KEYS = ("step", "version", "time", "eval/accuracy", "eval/reward_mean")
 
 
+def truncate_after(path: Path, step: int) -> None:
+    """Keep the lines a run resumed at `step` will not write again: step lines up to
+    `step`, evaluation lines before it (the resumed run evaluates at `step` first)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # the line a killed run was writing
+        limit = step if "loss/total" in record else step - 1
+        if record.get("step", 0) <= limit:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+
+
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int):
+    def __init__(self, run_dir: Path, total_steps: int, *, resume_step: int = 0, elapsed: float = 0.0):
+        """`resume_step`/`elapsed`: where a resumed run continues; later lines of the
+        stopped run are dropped, so every step appears once."""
         from torch.utils.tensorboard import SummaryWriter  # import late: slow, rank 0 only
 
-        self.start = time.time()
+        self.start = time.time() - elapsed
+        if resume_step:
+            truncate_after(run_dir / "metrics.jsonl", resume_step)
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+        # purge_step hides the stopped run's TensorBoard events after the checkpoint.
+        self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
         # Redraw often on a terminal, rarely in a log file.
         interactive = sys.stderr.isatty()
-        self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True,
+        self._bar = tqdm(total=total_steps, initial=resume_step, desc="train", unit="step", dynamic_ncols=True,
                          mininterval=0.2 if interactive else 15.0)
         self._last_eval: float | None = None
 

@@ -52,6 +52,19 @@ class ReplayBuffer(Generic[T]):
             self._cond.notify_all()
             return True
 
+    def contents(self) -> list[tuple[int, int, T]]:
+        """(admission index, version, group) of every stored group, in admission order."""
+        with self._cond:
+            slots = [(i, v, g) for i, (v, g) in sorted(self._slots.items())]
+            return [*self._ready, *slots]
+
+    def restore(self, next_index: int, items: list[tuple[int, int, T]], *, consumed: int, dropped: int) -> None:
+        """Reload a `contents()` snapshot taken when `next_index` was the next slot to pull."""
+        with self._cond:
+            self._next, self.consumed, self.dropped = next_index, consumed, dropped
+            self._ready = [(i, v, g) for i, v, g in items if i < next_index]
+            self._slots = {i: (v, g) for i, v, g in items if i >= next_index}
+
     def take(self, n: int, learner_version: int, timeout: float | None = None,
              stop: threading.Event | None = None) -> Taken[T] | None:
         """Block until the next `n` admission slots are filled; None on timeout/stop.

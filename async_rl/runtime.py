@@ -78,3 +78,19 @@ def read_status(run_dir: Path) -> dict | None:
         return json.loads((run_dir / STATUS_FILE).read_text())
     except (OSError, ValueError):
         return None
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live process below it (Linux /proc), parents before children."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the command may contain ")"
+        except (OSError, IndexError, ValueError):
+            continue  # exited while we looked
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop(0))
+        todo.extend(children.get(tree[-1], []))
+    return tree

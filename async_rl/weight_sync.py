@@ -9,11 +9,18 @@ Parameters travel in flat buckets of `sync.bucket_mb`, grouped by dtype, in
 Rank 0 never waits for actors: `publish` copies the gathered weights into a pending
 buffer set and returns; a background thread swaps it in and broadcasts while training
 goes on (double buffering). Actors join at their next safe point.
+
+A new epoch's group is only built once every member has announced itself in the store
+and rank 0 has written its decision ("go" or "abandon"): gloo's own rendezvous cannot
+be interrupted, so a member that died would otherwise hold everyone for the full
+`sync.timeout_s`; this way a membership change (a dead actor reaped, a new one joined)
+releases the waiting members at once. Rank 0 alone decides, so all members agree.
 """
 from __future__ import annotations
 
 import datetime
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -75,6 +82,39 @@ def new_group(backend: str, store: dist.Store, epoch: int, rank: int, world: int
     if backend == "nccl":
         return dist.ProcessGroupNCCL(prefixed, rank, world, dist.ProcessGroupNCCL.Options())  # type: ignore[attr-defined]
     return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+
+
+def describe(err: BaseException) -> str:
+    """One short log line for a failed sync: gloo's messages open with a source location
+    and end with a paragraph of advice."""
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return re.sub(r"^\[[^\]]*\] ", "", text).split(". This is typically")[0]
+
+
+class SyncAbandoned(RuntimeError):
+    """Rank 0 gave up on an epoch before its group formed (membership changed, or a
+    member never came); the parameters are untouched."""
+
+
+def _arrived_key(epoch: int, rank: int) -> str:
+    return f"arrived/{epoch}/{rank}"
+
+
+def _decision_key(epoch: int) -> str:
+    return f"decision/{epoch}"
+
+
+def _poll_store(store: dist.Store, keys: list[str], timeout_s: float, give_up=lambda: False) -> bool:
+    """Wait until all `keys` exist; False if `give_up()` turns true first. Polled rather
+    than `store.wait`, which cannot be interrupted and logs a warning on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if give_up():
+            return False
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not all of {len(keys)} store key(s) appeared within {timeout_s:.0f}s")
+        time.sleep(0.02)
+    return True
 
 
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
@@ -170,21 +210,41 @@ class WeightBroadcaster:
             try:
                 if group_epoch != job.epoch:
                     group, group_epoch = None, 0
+                    self._gather_members(job)
                     group = new_group(self.backend, self.store, job.epoch, 0, len(job.members) + 1, self.timeout_s)
                     group_epoch = job.epoch
                 for tensor in self._sending:
                     _broadcast(group, tensor)
                 self.completed += 1
                 self.last_broadcast_s = time.monotonic() - started
+            except SyncAbandoned as err:  # the loop picks the new membership up
+                log.info("weight broadcast of version %s (epoch %s) abandoned: %s", job.version, job.epoch, err)
             except Exception as err:  # a member died or never came: rebuild next time
                 self.failures += 1
                 log.warning("weight broadcast of version %s (epoch %s) failed: %s", job.version, job.epoch,
-                            str(err).splitlines()[0] if str(err) else type(err).__name__)
+                            describe(err))
                 group, group_epoch = None, 0
                 with self._cond:
                     self._epoch += 1  # a fresh store prefix for the retry
             finally:
                 self._job = None
+
+    def _gather_members(self, job: SyncJob) -> None:
+        """Decide whether the epoch's group can form: "go" once every member has arrived,
+        "abandon" as soon as the membership changes or the timeout passes."""
+        keys = [_arrived_key(job.epoch, rank) for rank in range(1, len(job.members) + 1)]
+        try:
+            complete = _poll_store(self.store, keys, self.timeout_s,
+                                   give_up=lambda: self._stop or self._epoch != job.epoch)
+        except TimeoutError:
+            complete = False
+        self.store.set(_decision_key(job.epoch), "go" if complete else "abandon")
+        if complete:
+            return
+        if self._stop or self._epoch != job.epoch:
+            raise SyncAbandoned("stopping" if self._stop else "the membership changed")
+        missing = sum(not self.store.check([k]) for k in keys)
+        raise TimeoutError(f"{missing} of {len(keys)} member(s) did not join within {self.timeout_s:.0f}s")
 
     def _work_ready(self, group_epoch: int) -> bool:
         if not self._members:
@@ -195,7 +255,12 @@ class WeightBroadcaster:
 
 
 class WeightReceiver:
-    """Actor side: joins the epoch's group and writes received buckets into its parameters."""
+    """Actor side: joins the epoch's group and writes received buckets into its parameters.
+
+    A broadcast that breaks off midway (a peer died, a timeout) raises and leaves some
+    buckets new and some old: `intact` is then False until a broadcast completes, and
+    the actor must not generate with those parameters.
+    """
 
     def __init__(self, params: list[tuple[str, torch.Tensor]], *, bucket_mb: float, backend: str, timeout_s: float):
         self.params = dict(params)
@@ -204,19 +269,36 @@ class WeightReceiver:
         self._store: dist.TCPStore | None = None
         self._group: dist.ProcessGroup | None = None
         self._epoch = -1
+        self.intact = True  # the parameters hold one complete version
 
     def receive(self, *, epoch: int, rank: int, world_size: int, store_host: str, store_port: int) -> None:
+        try:
+            self._receive(epoch, rank, world_size, store_host, store_port)
+        except Exception:
+            # The group may be broken (a member gone, a collective half done): never reuse
+            # it. Dropping it also closes its connections, releasing peers still waiting.
+            self._group, self._epoch = None, -1
+            raise
+
+    def _receive(self, epoch: int, rank: int, world_size: int, store_host: str, store_port: int) -> None:
         if self._store is None or (self._store.host, self._store.port) != (store_host, store_port):
             self._store = dist.TCPStore(store_host, store_port, is_master=False,
                                         timeout=datetime.timedelta(seconds=self.timeout_s))
         if epoch != self._epoch:
             self._group = None
+            self._store.set(_arrived_key(epoch, rank), "1")
+            # Rank 0 decides within its own timeout, which started before this member arrived.
+            _poll_store(self._store, [_decision_key(epoch)], self.timeout_s)
+            if self._store.get(_decision_key(epoch)) != b"go":
+                raise SyncAbandoned(f"rank 0 abandoned epoch {epoch}")
             self._group = new_group(self.backend, self._store, epoch, rank, world_size, self.timeout_s)
             self._epoch = epoch
         device = next(iter(self.params.values())).device
         for bucket in self.plan:
             flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
             _broadcast(self._group, flat)
+            self.intact = False
             with torch.no_grad():
                 for e in bucket.entries:
                     self.params[e.name].copy_(flat[e.offset:e.offset + e.numel].view(e.shape))
+        self.intact = True

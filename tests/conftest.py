@@ -26,6 +26,30 @@ def demo_model(tmp_path_factory):
                             min_mixed_fraction=0.0)
 
 
+def kill_tree(proc: subprocess.Popen) -> list[int]:
+    """SIGKILL a process and everything below it, all at once (a machine failure; also
+    the cleanup of a failed test: the launcher's children lead their own sessions, so
+    killing the launcher alone would orphan them). Returns the pids it killed."""
+    import signal
+    import time
+
+    from async_rl.runtime import process_tree
+
+    tree = process_tree(proc.pid)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=10)
+    deadline = time.time() + 10
+    while time.time() < deadline and any(
+            Path(f"/proc/{p}/status").exists() and "\nState:\tZ" not in Path(f"/proc/{p}/status").read_text()
+            for p in tree[1:]):
+        time.sleep(0.05)
+    return tree
+
+
 def train(run_dir: Path, model: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
     """`async-rl train` on the demo config, shrunk to a few small steps."""
     cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run_dir}",

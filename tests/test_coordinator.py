@@ -101,6 +101,20 @@ def test_inconsistent_and_malformed_messages_are_counted_not_fatal(hub):
     assert wait_for(lambda: len(coord.buffer) == 1)
 
 
+def test_requests_for_an_actor_from_another_socket_are_refused(hub):
+    coord, ctx, _ = hub
+    owner, intruder = dealer(ctx, coord.hub_addr), dealer(ctx, coord.hub_addr)
+    welcome = ask(owner, Hello(actor_name="t", pid=1, host="h"))
+    send(intruder, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=2))
+    send(intruder, Goodbye(reason="forged", actor_id=welcome.actor_id))
+    assert wait_for(lambda: coord.rejects.by_reason().get("identity_mismatch") == 2)
+    assert coord.live_actors == 1 and coord.admission.admitted == 0
+    assert ask(owner, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=2)).groups == [0, 1]
+    # Leaving with a goodbye hands the actor's grants back at once, not after the heartbeat timeout.
+    send(owner, Goodbye(reason="leaving", actor_id=welcome.actor_id))
+    assert wait_for(lambda: coord.live_actors == 0) and list(coord.reissue) == [0, 1]
+
+
 def test_silent_actor_is_removed_and_its_prompts_reissued(hub):
     coord, ctx, task = hub
     coord.cfg.actors.heartbeat_timeout_s = 0.3

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, subprocess_env, train
+from conftest import kill_tree, read_metrics, subprocess_env, train
 
 from async_rl.metrics import EVAL_KEYS, STEP_KEYS
 
@@ -90,7 +90,7 @@ def test_ctrl_c_stops_every_process_after_a_checkpoint(tmp_path, demo_model):
         _, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            kill_tree(proc)
     assert proc.returncode == 130, err[-2000:]
     assert list((run / "checkpoints").glob("step_*/coordinator.json"))
     assert (run / "final" / "config.json").exists()

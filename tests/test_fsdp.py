@@ -1,5 +1,4 @@
 """FSDP2 over gloo: the learner's real train_step on 2 ranks equals a 1-rank run."""
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import zmq
-from conftest import ROOT, read_metrics, subprocess_env
+from conftest import ROOT, kill_tree, read_metrics, subprocess_env
 from test_wire import CASES, make_group
 
 from async_rl.transport import ExperienceGroup, WorkRequest, encode
@@ -61,7 +61,7 @@ def test_thousands_of_malformed_messages_do_not_disturb_training(tmp_path, demo_
         _, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            kill_tree(proc)
         ctx.destroy(linger=0)
     assert proc.returncode == 130, err[-3000:]
     steps, evals = read_metrics(run)

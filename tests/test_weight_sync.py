@@ -1,10 +1,11 @@
-"""Bucket planning, and a real gloo broadcast from WeightBroadcaster to two receivers."""
+"""Bucket planning, and real gloo broadcasts from WeightBroadcaster to receivers: delivery,
+membership, and members that die or never come."""
 import threading
 import time
 
 import torch
 
-from async_rl.weight_sync import WeightBroadcaster, WeightReceiver, plan_buckets
+from async_rl.weight_sync import SyncAbandoned, WeightBroadcaster, WeightReceiver, plan_buckets
 
 
 def specs(params):
@@ -78,5 +79,89 @@ def test_missing_member_fails_with_timeout_instead_of_hanging():
         while bc.failures == 0 and time.time() < deadline:
             time.sleep(0.05)
         assert bc.failures >= 1
+    finally:
+        bc.close()
+
+
+def wait_for_job(bc, members, newer_than=0, timeout=15.0):
+    """The broadcaster's job once it serves `members` in an epoch after `newer_than`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        job = bc.job()
+        if job is not None and job.members == tuple(members) and job.epoch > newer_than:
+            return job
+        time.sleep(0.01)
+    raise AssertionError(f"no broadcast job for members {members} within {timeout}s")
+
+
+def receive(receiver, job, actor_id, bc):
+    receiver.receive(epoch=job.epoch, rank=job.rank_of(actor_id), world_size=len(job.members) + 1,
+                     store_host=bc.host, store_port=bc.port)
+
+
+def test_member_dying_mid_broadcast_leaves_survivor_half_updated_until_a_resync():
+    source = make_params(0)
+    bc = WeightBroadcaster(specs(source), bucket_mb=0.0002, host="127.0.0.1", backend="gloo",
+                           device=torch.device("cpu"), timeout_s=10)
+    survivor_params = make_params(1)
+    survivor = WeightReceiver(survivor_params, bucket_mb=0.0002, backend="gloo", timeout_s=10)
+    dying = WeightReceiver(make_params(2), bucket_mb=0.0002, backend="gloo", timeout_s=10)
+    assert len(survivor.plan) >= 3
+    dying.plan = dying.plan[:1]  # takes part in the first bucket only...
+    try:
+        bc.set_members([1, 2])
+        bc.publish(5, iter(source))
+        job = wait_for_job(bc, [1, 2])
+        errors = []
+
+        def survive():
+            try:
+                receive(survivor, job, 1, bc)
+            except Exception as err:
+                errors.append(err)
+
+        t = threading.Thread(target=survive)
+        t.start()
+        receive(dying, job, 2, bc)
+        dying._group = None  # ...then its connections close, as when the process is killed
+        t.join(timeout=20)
+        assert not t.is_alive() and errors, "the survivor should see the broadcast break off"
+        assert not survivor.intact and survivor._group is None
+        assert bc.failures >= 1
+        # The reaper removes the dead member; the retry rebroadcasts the same version.
+        bc.set_members([1])
+        retry = wait_for_job(bc, [1], newer_than=job.epoch)
+        assert retry.version == 5
+        receive(survivor, retry, 1, bc)
+        assert survivor.intact
+        assert all(torch.equal(want, got) for (_, want), (_, got) in zip(source, survivor_params))
+    finally:
+        bc.close()
+
+
+def test_membership_change_releases_a_member_waiting_for_a_dead_one():
+    """A member that never comes holds nobody for the full timeout: once the membership
+    changes, rank 0 abandons the epoch and the waiting member is released, untouched."""
+    source = make_params(0)
+    bc = WeightBroadcaster(specs(source), bucket_mb=1, host="127.0.0.1", backend="gloo",
+                           device=torch.device("cpu"), timeout_s=30)
+    params = make_params(1)
+    waiting = WeightReceiver(params, bucket_mb=1, backend="gloo", timeout_s=30)
+    try:
+        bc.set_members([1, 2])  # member 2 is dead and never joins
+        bc.publish(3, iter(source))
+        job = wait_for_job(bc, [1, 2])
+        threading.Timer(0.5, bc.set_members, args=([1],)).start()
+        started = time.monotonic()
+        try:
+            receive(waiting, job, 1, bc)
+        except SyncAbandoned:
+            pass
+        else:
+            raise AssertionError("the epoch should have been abandoned")
+        assert time.monotonic() - started < 10 and waiting.intact and bc.failures == 0
+        assert torch.equal(params[0][1], make_params(1)[0][1])  # untouched
+        receive(waiting, wait_for_job(bc, [1], newer_than=job.epoch), 1, bc)
+        assert all(torch.equal(want, got) for (_, want), (_, got) in zip(source, params))
     finally:
         bc.close()

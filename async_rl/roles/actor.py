@@ -23,7 +23,7 @@ from ..engines import make_engine
 from ..transport import (ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder, Wait,
                          Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
 from ..transport.security import secure_client
-from ..weight_sync import WeightReceiver
+from ..weight_sync import SyncAbandoned, WeightReceiver, describe
 from ..runtime import load_tokenizer, make_task_from_config, quiet_libraries, resolve_device, sync_backend
 
 log = logging.getLogger("async_rl.actor")
@@ -34,6 +34,9 @@ class HubClient:
 
     def __init__(self, ctx: zmq.Context, hub_addr: str, timeout_s: float, keys_dir: str | None = None):
         self.sock = ctx.socket(zmq.DEALER)
+        # A fixed, unguessable routing id: the hub accepts requests only from the socket
+        # that registered, and an id of our own survives reconnects.
+        self.sock.setsockopt(zmq.ROUTING_ID, os.urandom(16).hex().encode())  # ids starting with 0 are reserved
         if keys_dir:
             secure_client(self.sock, keys_dir)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -80,36 +83,41 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         log.error("hub refused registration: %s", welcome)
         return 1
     cfg: Config = from_yaml(welcome.config_yaml)
-    quiet_libraries()
-    torch.set_num_threads(cfg.actors.threads)
-    hub.sock.setsockopt(zmq.RCVTIMEO, int(cfg.transport.timeout_s * 1000))
-    device = resolve_device(cfg.model.device)
-    engine = make_engine(cfg.actors.engine, model_or_path=cfg.model.path, device=device)
-    tokenizer = load_tokenizer(cfg.model.path)
-    task = make_task_from_config(cfg)
-    receiver = WeightReceiver(engine.parameters_for_sync(), bucket_mb=cfg.sync.bucket_mb,
-                              backend=sync_backend(device), timeout_s=cfg.sync.timeout_s)
-    push = ctx.socket(zmq.PUSH)
-    if keys_dir:
-        secure_client(push, keys_dir)
-    push.setsockopt(zmq.LINGER, int(cfg.transport.timeout_s * 1000))
-    push.setsockopt(zmq.SNDHWM, cfg.transport.hwm)  # learner stalls -> we block here, memory stays bounded
-    push.setsockopt(zmq.SNDTIMEO, int(cfg.transport.timeout_s * 1000))
-    push.connect(welcome.experience_addr)
-
     actor_id = welcome.actor_id
-    state = {"actor_id": actor_id, "version": 0, "generated": 0}
+    state = {"actor_id": actor_id, "version": 0, "generated": 0, "epoch": -1}
     stop = threading.Event()
+    # Beat from registration on: loading the model may take longer than
+    # actors.heartbeat_timeout_s, and a silent newcomer would be reaped as dead.
     beat = threading.Thread(target=_heartbeat_loop, daemon=True,
                             args=(ctx, hub_addr, keys_dir, state, stop, cfg.actors.heartbeat_s))
     beat.start()
-    generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + actor_id)
-    log.info("actor %d ready (%s) on %s", actor_id, name, device)
+    push = None
     try:
+        quiet_libraries()
+        torch.set_num_threads(cfg.actors.threads)
+        hub.sock.setsockopt(zmq.RCVTIMEO, int(cfg.transport.timeout_s * 1000))
+        device = resolve_device(cfg.model.device)
+        engine = make_engine(cfg.actors.engine, model_or_path=cfg.model.path, device=device)
+        tokenizer = load_tokenizer(cfg.model.path)
+        task = make_task_from_config(cfg)
+        receiver = WeightReceiver(engine.parameters_for_sync(), bucket_mb=cfg.sync.bucket_mb,
+                                  backend=sync_backend(device), timeout_s=cfg.sync.timeout_s)
+        push = ctx.socket(zmq.PUSH)
+        if keys_dir:
+            secure_client(push, keys_dir)
+        push.setsockopt(zmq.LINGER, int(cfg.transport.timeout_s * 1000))
+        push.setsockopt(zmq.SNDHWM, cfg.transport.hwm)  # learner stalls -> we block here, memory stays bounded
+        push.setsockopt(zmq.SNDTIMEO, int(cfg.transport.timeout_s * 1000))
+        push.connect(welcome.experience_addr)
+        generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + actor_id)
+        log.info("actor %d ready (%s) on %s", actor_id, name, device)
+        failed_epoch = -1  # the last epoch whose broadcast broke off here
         while True:
+            # Parameters left half-updated by a broken-off broadcast must not generate:
+            # ask for no prompts (the hub answers Wait or SyncOrder) until a sync completes.
+            wanted = cfg.actors.groups_per_request if receiver.intact else 0
             try:
-                reply = hub.request(WorkRequest(actor_id=actor_id, version=engine.version,
-                                                max_groups=cfg.actors.groups_per_request))
+                reply = hub.request(WorkRequest(actor_id=actor_id, version=engine.version, max_groups=wanted))
             except TimeoutError:
                 log.error("actor %d leaving: the hub did not answer for %.0fs", actor_id, cfg.transport.timeout_s)
                 return 1
@@ -119,21 +127,49 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             if isinstance(reply, Wait):
                 time.sleep(reply.seconds)
             elif isinstance(reply, SyncOrder):
-                receiver.receive(epoch=reply.epoch, rank=reply.rank, world_size=reply.world_size,
-                                 store_host=reply.store_host, store_port=reply.store_port)
-                engine.set_version(reply.version)
-                state["version"] = reply.version
-                send(hub.sock, SyncDone(actor_id=actor_id, epoch=reply.epoch, version=reply.version))
+                if reply.epoch <= failed_epoch:
+                    # Rank 0 has failed or abandoned that epoch too; the hub has not seen it yet.
+                    time.sleep(0.05)
+                elif not _sync(hub, receiver, engine, reply, state):
+                    failed_epoch = reply.epoch
             elif isinstance(reply, WorkGrant):
                 for msg in rollout(engine, tokenizer, task, cfg, reply, actor_id, generator):
                     push.send_multipart(msg, copy=False)
                     state["generated"] += 1
     finally:
+        try:  # best effort: the hub re-issues our prompts now instead of after the heartbeat timeout
+            send(hub.sock, Goodbye(reason="leaving", actor_id=actor_id), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
         stop.set()
-        push.close()
-        hub.sock.close(0)
+        if push is not None:
+            push.close()
+        hub.sock.close(linger=1000)  # lets the goodbye out
         beat.join(timeout=5)
         ctx.term()
+
+
+def _sync(hub: HubClient, receiver: WeightReceiver, engine, order: SyncOrder, state: dict) -> bool:
+    """Take part in the broadcast `order` names. A broadcast that breaks off (a peer
+    killed, a timeout, rank 0 abandoning the epoch) costs one log line, not the actor."""
+    actor_id = state["actor_id"]
+    try:
+        receiver.receive(epoch=order.epoch, rank=order.rank, world_size=order.world_size,
+                         store_host=order.store_host, store_port=order.store_port)
+    except Exception as err:
+        level = logging.INFO if isinstance(err, SyncAbandoned) else logging.WARNING
+        log.log(level, "actor %d: weight sync of version %d (epoch %d) failed (%s); %s", actor_id, order.version,
+                order.epoch, describe(err),
+                "weights unchanged" if receiver.intact else "weights half-updated, generating nothing until a sync")
+        return False
+    engine.set_version(order.version)
+    state["version"] = order.version
+    send(hub.sock, SyncDone(actor_id=actor_id, epoch=order.epoch, version=order.version))
+    # Once per membership epoch at INFO: joins and recoveries show in the log, routine syncs do not.
+    level = logging.INFO if order.epoch != state["epoch"] else logging.DEBUG
+    state["epoch"] = order.epoch
+    log.log(level, "actor %d synced to version %d (epoch %d)", actor_id, order.version, order.epoch)
+    return True
 
 
 def rollout(engine, tokenizer, task, cfg: Config, grant: WorkGrant, actor_id: int, generator) -> list:

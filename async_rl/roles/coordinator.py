@@ -42,6 +42,9 @@ class ActorInfo:
     version: int = 0
     synced: tuple[int, int] = (-1, -1)  # (epoch, version) of the last broadcast it completed
     outstanding: set[int] = field(default_factory=set)  # admission indices granted, not yet delivered
+    # Joins weight broadcasts only from its first work request on, i.e. once its model
+    # is loaded: members of a new epoch's group would otherwise wait for the load.
+    ready: bool = False
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Coordinator:
         self._drain_s = 3.0
         self._stopped = threading.Event()
         self._ready = threading.Event()
+        self._lock = threading.Lock()  # held while messages are handled; see snapshot()
         self.hub_addr = self.experience_addr = ""
         self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
 
@@ -86,6 +90,28 @@ class Coordinator:
     @property
     def live_actors(self) -> int:
         return len(self.actors)
+
+    # -- checkpoint state ---------------------------------------------------------
+    def snapshot(self) -> tuple[dict, list[tuple[int, int, ExperienceGroup]]]:
+        """A consistent copy of everything a resumed run needs (JSON state, buffered
+        groups). Granted groups not yet delivered are recorded as pending: a resumed
+        run re-issues them, so no admitted prompt is lost or counted twice."""
+        with self._lock:
+            state = {"admitted": self.admission.admitted, "next_actor_id": self._next_actor_id,
+                     "pending": sorted({*self.granted, *self.reissue}), "buffer_next": self.buffer.next_index,
+                     "consumed": self.buffer.consumed, "dropped": self.buffer.dropped,
+                     "rejected": self.rejects.by_reason()}
+            return state, self.buffer.contents()
+
+    def restore(self, version: int, state: dict, groups: list[tuple[int, int, ExperienceGroup]]) -> None:
+        """Load a snapshot; call before start(). Actor ids continue where they stopped,
+        so a new actor never replays an old one's sampling stream (seeded by its id)."""
+        self.version = version
+        self.admission.admitted = state["admitted"]
+        self._next_actor_id = state["next_actor_id"]
+        self.reissue.extend(state["pending"])
+        self.buffer.restore(state["buffer_next"], groups, consumed=state["consumed"], dropped=state["dropped"])
+        self.rejects.preload(state["rejected"])
 
     # -- the loop -----------------------------------------------------------------
     def _bind(self, ctx: zmq.Context, kind: int, port: int, curve) -> tuple[zmq.Socket, str]:
@@ -122,13 +148,14 @@ class Coordinator:
                     if not self.actors or time.monotonic() > stop_deadline:
                         break
                 events = dict(poller.poll(50))
-                if hub in events:
-                    for identity, msg in self._drain(hub, routed=True, most=64):
-                        self._on_request(hub, identity, msg)
-                if pull in events:
-                    for _, msg in self._drain(pull, routed=False, most=256):
-                        self._on_experience(msg)
-                self._reap_dead()
+                with self._lock:  # a checkpoint snapshot sees the state between messages
+                    if hub in events:
+                        for identity, msg in self._drain(hub, routed=True, most=64):
+                            self._on_request(hub, identity, msg)
+                    if pull in events:
+                        for _, msg in self._drain(pull, routed=False, most=256):
+                            self._on_experience(msg)
+                    self._reap_dead()
         finally:
             hub.close(0)
             pull.close(0)
@@ -161,9 +188,16 @@ class Coordinator:
             return
         actor = self.actors.get(getattr(msg, "actor_id", -1))
         if actor is None:
+            if isinstance(msg, Goodbye):
+                return  # an actor we already removed, leaving too: nothing to do
             self.rejects.reject("unknown_actor")
             if isinstance(msg, WorkRequest):
                 self._reply(hub, identity, Goodbye(reason="unknown actor: register with hello first"))
+            return
+        if identity != actor.identity and not isinstance(msg, Heartbeat):
+            # Requests come from the socket that registered (heartbeats have their own):
+            # a peer that guesses an actor id cannot take its grants or its place.
+            self.rejects.reject("identity_mismatch")
             return
         actor.last_seen = now
         if isinstance(msg, Heartbeat):
@@ -172,13 +206,16 @@ class Coordinator:
             actor.version = max(actor.version, msg.version)
             actor.synced = (msg.epoch, msg.version)
         elif isinstance(msg, Goodbye):
-            self._remove(actor.actor_id, "said goodbye")
+            self._remove(actor.actor_id, "said goodbye", level=logging.INFO)
         elif isinstance(msg, WorkRequest):
             if msg.version > self.version:
                 self.rejects.reject("future_version")
                 self._reply(hub, identity, Wait(seconds=0.1))
                 return
-            actor.identity, actor.version = identity, msg.version
+            actor.version = msg.version
+            if not actor.ready:
+                actor.ready = True
+                self._membership_changed()
             self._reply(hub, identity, self._answer_work(actor, msg))
         else:
             self.rejects.reject("unexpected_kind")
@@ -219,11 +256,11 @@ class Coordinator:
         self._reply(hub, identity, Welcome(actor_id=actor_id, config_yaml=to_yaml(self.cfg),
                                            experience_addr=self.experience_addr, version=self.version))
 
-    def _remove(self, actor_id: int, why: str) -> None:
+    def _remove(self, actor_id: int, why: str, level: int = logging.WARNING) -> None:
         actor = self.actors.pop(actor_id, None)
         if actor is None:
             return
-        log.warning("actor %d (%s) removed: %s", actor_id, actor.name, why)
+        log.log(level, "actor %d (%s) removed: %s", actor_id, actor.name, why)
         for index in sorted(actor.outstanding):  # lose no admitted prompt
             self.granted.pop(index, None)
             self.reissue.append(index)
@@ -236,7 +273,7 @@ class Coordinator:
             self._remove(actor.actor_id, f"no heartbeat for {timeout:.0f}s")
 
     def _membership_changed(self) -> None:
-        self.broadcaster.set_members(self.actors)
+        self.broadcaster.set_members(a.actor_id for a in self.actors.values() if a.ready)
         self._write_endpoints()
 
     def _write_endpoints(self) -> None:
@@ -267,9 +304,12 @@ class Coordinator:
         if self.cfg.train.advantage == "remax" and msg.greedy_reward is None:
             self.rejects.reject("missing_baseline")
             return
-        if not self.buffer.put(msg.group, msg.version, msg):
+        stored = self.buffer.put(msg.group, msg.version, msg)
+        if not stored:
+            # Only a full buffer refuses a granted slot (admission keeps it below its
+            # capacity): generate the slot again later rather than lose it.
             self.rejects.reject("buffer_refused")
-            return
+            self.reissue.append(msg.group)
         del self.granted[msg.group]
         actor = self.actors.get(msg.actor_id)
         if actor is not None:

@@ -7,7 +7,7 @@ losses, optimizer steps; FSDP2 averages gradients); then the version increments 
 every `sync.every` steps, full weights go to the actors. The version counts learner
 steps, whatever `train.minibatches` optimizer steps each one takes.
 
-Run with: torchrun --nproc-per-node R -m async_rl.roles.learner RUN_DIR/config.yaml
+Run with: torchrun --nproc-per-node R -m async_rl.roles.learner RUN_DIR/config.yaml [--resume CHECKPOINT]
 """
 from __future__ import annotations
 
@@ -28,11 +28,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..batching import Batch, build_batch, order_for_ranks, scatter_batch
-from ..checkpoint import save_checkpoint, save_hf_model
-from ..config import Config, load_config
+from ..checkpoint import BUFFER_FILE, load_checkpoint, read_groups, save_checkpoint, save_hf_model, write_groups
+from ..config import Config, load_config, to_yaml
 from ..evaluation import evaluate
 from ..runtime import (EXIT_NONFINITE, load_tokenizer, make_task_from_config, quiet_libraries, resolve_device,
                        sync_backend, write_status)
+from ..metrics import MetricsLogger
 from ..train_step import Models, train_step
 
 log = logging.getLogger("async_rl.learner")
@@ -89,7 +90,8 @@ def build_models(cfg: Config, device: torch.device, mesh) -> Models:
 
 
 class Learner:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, resume: Path | None = None):
+        """`resume`: a complete checkpoint directory to continue from."""
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -103,13 +105,32 @@ class Learner:
         self.specs = [(n, tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(cfg, step))
         self.version = 0
+        self.samples_total = self.skipped_total = 0
         self.stop_event = threading.Event()  # set by SIGINT/SIGTERM; rank 0 acts on it
+        state = load_checkpoint(resume, self._trained_parts()) if resume else None
+        if state is not None:
+            self.version = state["version"]
+            learner = state["learner"]
+            self.scheduler.load_state_dict(learner["scheduler"])
+            self.samples_total, self.skipped_total = learner["samples"], learner["skipped"]
         if self.rank == 0:
             self._init_rank0()
+            if state is not None:
+                self.coordinator.restore(self.version, state["coordinator"], read_groups(resume / BUFFER_FILE))
+                log.info("resumed from %s at version %d: %d buffered groups, %d prompts to re-issue", resume,
+                         self.version, len(self.coordinator.buffer), len(self.coordinator.reissue))
+            self.coordinator.start()
+            self.metrics = MetricsLogger(self.run_dir, cfg.train.max_steps, resume_step=self.version,
+                                         elapsed=state["learner"]["elapsed"] if state else 0.0)
+
+    def _trained_parts(self) -> dict:
+        parts = {"model": (self.model, self.optimizer)}
+        if self.models.critic is not None:
+            parts["critic"] = (self.models.critic, self.models.critic_optimizer)
+        return parts
 
     def _init_rank0(self) -> None:
         from ..engines.torch_engine import TorchEngine
-        from ..metrics import MetricsLogger
         from ..weight_sync import WeightBroadcaster
         from .coordinator import Coordinator
 
@@ -121,8 +142,6 @@ class Learner:
                                              backend=sync_backend(self.device), device=self.device,
                                              timeout_s=cfg.sync.timeout_s)
         self.coordinator = Coordinator(cfg, self.task, self.broadcaster, self.run_dir)
-        self.coordinator.start()
-        self.metrics = MetricsLogger(self.run_dir, cfg.train.max_steps)
 
     # -- pieces of a step -------------------------------------------------------
     def _next_batch(self) -> tuple[Batch | None, dict[str, float]]:
@@ -186,21 +205,23 @@ class Learner:
     # -- the loop ---------------------------------------------------------------
     def run(self) -> int:
         cfg = self.cfg
+        if self.version > 0:
+            self._sync_weights()  # resumed: actors start from the base model, give them ours
         self._evaluate()
-        samples_total, last_end = 0, time.monotonic()
-        skipped_total = skipped_streak = 0
+        last_end = time.monotonic()
+        skipped_streak = 0
         stop_reason = None
         while self.version < cfg.train.max_steps:
             local, info = self._next_batch()
             if local is None:
                 break
             stats = train_step(cfg, self.models, local)
-            skipped_total += stats["learner/skipped_steps"]
+            self.skipped_total += stats["learner/skipped_steps"]
             skipped_streak = skipped_streak + 1 if stats["learner/skipped_steps"] else 0
             if skipped_streak and self.rank == 0:
                 log.warning("step %d: non-finite loss or gradient, %d optimizer step(s) skipped (%d in a row)",
                             self.version + 1, stats["learner/skipped_steps"], skipped_streak)
-            stats["learner/skipped_steps"] = skipped_total
+            stats["learner/skipped_steps"] = self.skipped_total
             stats["learner/lr"] = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             self.version += 1
@@ -209,13 +230,13 @@ class Learner:
                 self.coordinator.version = self.version
                 now = time.monotonic()
                 interval, last_end = max(now - last_end, 1e-9), now
-                samples_total += int(info["samples"])
+                self.samples_total += int(info["samples"])
                 c = self.coordinator
                 self.metrics.log({
                     "step": self.version, "version": self.version, "train/reward_mean": info["train/reward_mean"],
                     "train/response_len_mean": info["train/response_len_mean"],
                     "train/response_len_max": info["train/response_len_max"],
-                    "train/samples": samples_total, **stats, "staleness/mean": info["staleness/mean"],
+                    "train/samples": self.samples_total, **stats, "staleness/mean": info["staleness/mean"],
                     "staleness/max": info["staleness/max"], "staleness/dropped": c.buffer.dropped,
                     "throughput/samples_per_s": info["samples"] / interval,
                     "throughput/gen_tokens_per_s": info["gen_tokens"] / interval,
@@ -247,11 +268,19 @@ class Learner:
         return 0
 
     def _checkpoint(self) -> None:
-        parts = {"model": (self.model, self.optimizer)}
-        if self.models.critic is not None:
-            parts["critic"] = (self.models.critic, self.models.critic_optimizer)
-        save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.version:06d}", parts,
-                        self._coordinator_state() if self.rank == 0 else None)
+        state = groups = None
+        if self.rank == 0:
+            coordinator_state, groups = self.coordinator.snapshot()
+            state = {"version": self.version, "coordinator": coordinator_state, "learner": {
+                "scheduler": self.scheduler.state_dict(), "samples": self.samples_total,
+                "skipped": self.skipped_total, "elapsed": self.metrics.elapsed()}}
+
+        def write_extra(directory: Path) -> None:  # save_checkpoint runs it on rank 0 only
+            write_groups(directory / BUFFER_FILE, groups)
+            (directory / "config.yaml").write_text(to_yaml(self.cfg))
+
+        save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.version:06d}", self._trained_parts(), state,
+                        write_extra, keep=self.cfg.checkpoint.keep)
 
     def _finish(self) -> None:
         self._checkpoint()
@@ -263,11 +292,6 @@ class Learner:
             # step's weights) would only run into its timeout, so do not wait for it.
             self.broadcaster.close(wait_s=1.0)
             self.metrics.close()
-
-    def _coordinator_state(self) -> dict:
-        c = self.coordinator
-        return {"version": self.version, "admitted": c.admission.admitted, "consumed": c.buffer.consumed,
-                "dropped": c.buffer.dropped, "rejected": c.rejects.total}
 
 
 def shutdown_world() -> None:
@@ -283,13 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_config(argv[0])
+    resume = Path(argv[argv.index("--resume") + 1]) if "--resume" in argv else None
     quiet_libraries()
     device = resolve_device(cfg.model.device)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.set_num_threads(cfg.learner.threads)
     dist.init_process_group(backend=sync_backend(device), timeout=datetime.timedelta(seconds=cfg.learner.timeout_s))
-    learner = Learner(cfg)
+    learner = Learner(cfg, resume)
 
     def request_stop(signum, _frame):
         learner.stop_event.set()

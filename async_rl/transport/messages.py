@@ -7,7 +7,7 @@ for list[int]); ``np.ndarray`` fields declared with :func:`array` travel as raw
 frames. Cross-field rules live in ``check``, which returns a rejection reason.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import numpy as np
@@ -25,9 +25,9 @@ def array(dtype: str, ndim: int) -> Any:
     return field(metadata={"dtype": dtype, "ndim": ndim})
 
 
-def bounded(*, lo: float | None = None, hi: float | None = None) -> Any:
-    """Inclusive bounds on a numeric field, checked on decode (not a default)."""
-    return field(metadata={"min": lo, "max": hi})
+def bounded(*, lo: float | None = None, hi: float | None = None, default: Any = MISSING) -> Any:
+    """Inclusive bounds on a numeric field, checked on decode; optionally a default."""
+    return field(default=default, metadata={"min": lo, "max": hi})
 
 
 class Message:
@@ -138,6 +138,7 @@ class Goodbye(Message):
 
     KIND: ClassVar[str] = "goodbye"
     reason: str
+    actor_id: int = bounded(lo=-1, default=-1)  # set by an actor that leaves, so the hub re-issues its prompts at once
 
 
 # eq=False: the generated __eq__ would compare ndarrays, whose truth is ambiguous.

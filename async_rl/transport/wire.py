@@ -269,6 +269,12 @@ class RejectCounter:
         """Count a message the wire layer accepted but the receiver's state refuses."""
         self.record(WireError(reason, detail))
 
+    def preload(self, counts: dict[str, int]) -> None:
+        """Continue the counts of a resumed run (those reasons were logged already)."""
+        with self._lock:
+            for reason, n in counts.items():
+                self._counts[reason] = self._counts.get(reason, 0) + int(n)
+
     @property
     def total(self) -> int:
         with self._lock:

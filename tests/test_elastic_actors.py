@@ -1,0 +1,147 @@
+"""Elastic actors in a live run: actors SIGKILLed mid-generation and mid-broadcast are
+reaped within `actors.heartbeat_timeout_s`, training goes on with the survivors without a
+restart, and an actor started with only `--hub` gets the config and the current weights
+from the hub, joins the broadcast group and carries the training alone."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, kill_tree, subprocess_env
+from test_end_to_end import _alive
+
+MAX_STALENESS = 2  # configs/demo.yaml
+
+
+def step_lines(run: Path) -> list[dict]:
+    """Step lines written so far (the file is being appended to: skip a partial last line)."""
+    path = run / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "loss/total" in record:
+            out.append(record)
+    return out
+
+
+def last_step(run: Path) -> int:
+    steps = step_lines(run)
+    return steps[-1]["step"] if steps else 0
+
+
+def actor_pids(run: Path) -> set[int]:
+    return {a["pid"] for a in json.loads((run / "endpoints.json").read_text())["actors"]}
+
+
+class Run:
+    """The `async-rl train` process and the conditions the test waits for."""
+
+    def __init__(self, run: Path, launcher: subprocess.Popen):
+        self.dir, self.launcher = run, launcher
+
+    def wait(self, what: str, predicate, timeout: float = 45.0) -> None:
+        deadline = time.time() + timeout
+        while not predicate():
+            assert self.launcher.poll() is None, f"the run ended while waiting for: {what}"
+            assert time.time() < deadline, f"not within {timeout:.0f}s: {what}"
+            time.sleep(0.2)
+
+    def wait_for_progress(self, what: str, live: int, more_steps: int = 2) -> None:
+        """Wait for a step logged with `live` actors, then `more_steps` further steps."""
+        start = last_step(self.dir)
+        self.wait(f"{what}: a step with actors/live == {live}",
+                  lambda: any(s["actors/live"] == live for s in step_lines(self.dir) if s["step"] > start))
+        seen = next(s["step"] for s in step_lines(self.dir) if s["step"] > start and s["actors/live"] == live)
+        self.wait(f"{what}: {more_steps} more steps", lambda: last_step(self.dir) >= seen + more_steps)
+
+
+def start_actor(run: Path, name: str, *cmd: str) -> tuple[subprocess.Popen, Path]:
+    log = run / f"{name}.log"
+    hub = json.loads((run / "endpoints.json").read_text())["hub"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, *cmd, "--hub", hub], env=subprocess_env(), stdout=out,
+                                stderr=subprocess.STDOUT, cwd=ROOT)
+    return proc, log
+
+
+@pytest.mark.timeout(180)
+def test_actors_killed_and_started_during_a_run(tmp_path, demo_model):
+    run_dir = tmp_path / "elastic"
+    run_dir.mkdir()
+    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run_dir}",
+           f"model.path={demo_model}", "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4",
+           "task.eval_size=32", "eval.every=0", "train.max_steps=100000", "learner.ranks=1", "actors.count=2",
+           "actors.heartbeat_timeout_s=3", "sync.timeout_s=8", "sync.every=1",
+           "sync.bucket_mb=0.05",  # several buckets: a broadcast can break off midway
+           "transport.timeout_s=10"]  # bounds how long an actor that missed its goodbye lingers
+    with open(tmp_path / "launcher.log", "wb") as err:  # a file, not a pipe that could fill up and block
+        launcher = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=err)
+    run = Run(run_dir, launcher)
+    started: list[subprocess.Popen] = []
+    pids: set[int] = set()
+    try:
+        run.wait("two training steps, both actors registered",
+                 lambda: last_step(run_dir) >= 2 and len(actor_pids(run_dir)) == 2, timeout=120)
+        learner_pid = json.loads((run_dir / "endpoints.json").read_text())["learner_pid"]
+        first, second = json.loads((run_dir / "endpoints.json").read_text())["actors"]
+        pids = {learner_pid, first["pid"], second["pid"]}
+
+        # 1. Kill an actor wherever it is (generating, or in a sync: they are frequent).
+        os.kill(first["pid"], signal.SIGKILL)
+        run.wait_for_progress("after killing actor 0", live=1)
+        assert actor_pids(run_dir) == {second["pid"]}
+
+        # 2. A new actor, given only the hub address, joins and receives the current weights.
+        newcomer, newcomer_log = start_actor(run_dir, "newcomer", "-m", "async_rl.cli", "actor")
+        started.append(newcomer)
+        pids.add(newcomer.pid)
+        run.wait("the newcomer in endpoints.json", lambda: actor_pids(run_dir) == {second["pid"], newcomer.pid})
+        run.wait("the newcomer's first weight sync", lambda: "synced to version" in newcomer_log.read_text())
+        run.wait_for_progress("after the newcomer joined", live=2)
+
+        # 3. An actor that dies halfway through its second broadcast: the others are
+        # receiving the same broadcast and are left with half-updated weights.
+        dying, dying_log = start_actor(run_dir, "dying", str(ROOT / "tests/dying_actor.py"), "2")
+        started.append(dying)
+        pids.add(dying.pid)
+        dying.wait(timeout=60)
+        assert dying.returncode == -signal.SIGKILL, dying_log.read_text()[-2000:]
+        assert "synced to version" in dying_log.read_text()  # it had joined before dying
+        run.wait("the dying actor reaped", lambda: actor_pids(run_dir) == {second["pid"], newcomer.pid})
+        run.wait_for_progress("after the mid-broadcast kill", live=2)
+        survivor_logs = newcomer_log.read_text() + (run_dir / "logs" / f"{second['name']}.log").read_text()
+        assert "weights half-updated, generating nothing until a sync" in survivor_logs
+
+        # 4. The last original actor goes too: the newcomer alone keeps the run going.
+        os.kill(second["pid"], signal.SIGKILL)
+        run.wait_for_progress("with the newcomer alone", live=1)
+        assert actor_pids(run_dir) == {newcomer.pid}
+
+        launcher.send_signal(signal.SIGINT)  # a clean stop: 130, as for any interrupted run
+        launcher.wait(timeout=90)
+        newcomer.wait(timeout=30)  # told goodbye by the hub
+    finally:
+        for proc in [launcher, *started]:
+            if proc.poll() is None:
+                kill_tree(proc)
+    launcher_log = (tmp_path / "launcher.log").read_text()
+    assert launcher.returncode == 130, launcher_log[-3000:]
+    assert newcomer.returncode == 0, newcomer_log.read_text()[-2000:]
+    assert "leaving: run finished" in newcomer_log.read_text()
+
+    steps = step_lines(run_dir)
+    assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))  # no restart
+    for s in steps:
+        assert s["staleness/max"] <= MAX_STALENESS and s["staleness/dropped"] == 0, s
+        assert math.isfinite(s["loss/total"]), s
+    assert "removed: no heartbeat for 3s" in launcher_log
+    time.sleep(0.5)
+    assert not [p for p in pids if _alive(p)], "orphan processes left behind"
