@@ -164,7 +164,11 @@ class Learner:
                         "staleness/max": max(staleness), "train/reward_mean": float(batch.rewards.mean()),
                         "train/response_len_mean": float(lengths.mean()),
                         "train/response_len_max": float(lengths.max()),
-                        "gen_tokens": float(lengths.sum()), "samples": float(batch.tokens.shape[0])}
+                        "gen_tokens": float(lengths.sum()), "samples": float(batch.tokens.shape[0]),
+                        # What a capacity model needs: the actors' generation time per group.
+                        "actors/gen_seconds_per_group": sum(g.gen_seconds for g in taken.groups) / len(taken.groups)}
+                for k in sorted(set(staleness)):  # the per-step staleness histogram, in samples
+                    info[f"staleness/count_{k}"] = staleness.count(k) * self.cfg.train.group_size
         # One small broadcast keeps every rank in lock-step: 1 = stop.
         stop = torch.tensor([float(self.rank == 0 and batch is None)], dtype=torch.float64, device=self.device)
         dist.broadcast(stop, src=0)
@@ -238,6 +242,7 @@ class Learner:
                     "train/response_len_max": info["train/response_len_max"],
                     "train/samples": self.samples_total, **stats, "staleness/mean": info["staleness/mean"],
                     "staleness/max": info["staleness/max"], "staleness/dropped": c.buffer.dropped,
+                    **{k: v for k, v in info.items() if k.startswith(("staleness/count_", "actors/"))},
                     "throughput/samples_per_s": info["samples"] / interval,
                     "throughput/gen_tokens_per_s": info["gen_tokens"] / interval,
                     "learner/idle_frac": min(1.0, info["waited"] / interval), "sync/seconds": sync_s,
