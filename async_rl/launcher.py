@@ -171,21 +171,7 @@ def train(cfg: Config, resume: str | None = None) -> int:
 
 
 def print_summary(run_dir: Path) -> None:
-    """A few lines at the end of a run: where it is and how it went."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    steps = [l for l in lines if "loss/total" in l]
-    evals = [l for l in lines if "eval/accuracy" in l]
-    if not steps:
-        return
-    last = steps[-1]
-    print(f"async-rl: {last['step']} steps in {last['time']:.0f}s, {last['train/samples']} samples "
-          f"({last['train/samples'] / max(last['time'], 1e-9):.0f}/s); staleness mean "
-          f"{sum(s['staleness/mean'] for s in steps) / len(steps):.2f}, max {max(s['staleness/max'] for s in steps)}, "
-          f"dropped {last['staleness/dropped']}; rejected messages {last['wire/rejected']}", file=sys.stderr)
-    if evals:
-        print(f"async-rl: eval accuracy {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "
-              f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})", file=sys.stderr)
-    print(f"async-rl: model in {run_dir / 'final'}; tensorboard --logdir {run_dir / 'tb'}", file=sys.stderr)
+    from .run_summary import summary_lines
+
+    for line in summary_lines(run_dir):
+        print(line, file=sys.stderr)

@@ -15,8 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):
     run = tmp_path / "run"
-    train(run, demo_model, "train.max_steps=4", "max_staleness=2", "checkpoint.every=2")
+    proc = train(run, demo_model, "train.max_steps=4", "max_staleness=2", "checkpoint.every=2")
     steps, evals = read_metrics(run)
+    # The one-screen summary at the end, from metrics.jsonl.
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("async-rl: ")][-7:]
+    assert [line.split()[1] for line in summary] == ["steps", "learner", "staleness", "off-policy", "actors",
+                                                     "eval", "outputs"]
+    assert f"{steps[-1]['train/samples']} samples" in summary[0] and "dropped 0" in summary[2]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     for s in steps:
         assert set(STEP_KEYS) <= s.keys()

@@ -1,0 +1,56 @@
+"""The one-screen summary `async-rl train` prints when a run ends, from metrics.jsonl
+alone (so it is also right for a resumed run, whose file holds every step once)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summary_lines(run_dir: Path) -> list[str]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = []
+    for line in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            pass
+    steps = [l for l in lines if "loss/total" in l]
+    evals = [l for l in lines if "eval/accuracy" in l]
+    if not steps:
+        return []
+    last = steps[-1]
+    wall = max(last["time"], 1e-9)
+    counts: dict[int, int] = {}
+    for s in steps:
+        for key, value in s.items():
+            if key.startswith("staleness/count_"):
+                counts[int(key.rsplit("_", 1)[1])] = counts.get(int(key.rsplit("_", 1)[1]), 0) + value
+    total = sum(counts.values()) or 1
+    histogram = " ".join(f"{k}:{100 * n / total:.0f}%" for k, n in sorted(counts.items()))
+    ess = [s["is/ess"] for s in steps if s.get("is/ess") is not None]
+    rows = [
+        ("steps", f"{last['step']} in {wall:.0f} s ({last['step'] / wall:.2f} steps/s), {last['train/samples']} samples "
+                  f"({last['train/samples'] / wall:.0f}/s), {_mean([s['throughput/gen_tokens_per_s'] for s in steps]):.0f} "
+                  f"generated tokens/s"),
+        ("learner", f"idle {100 * _mean([s['learner/idle_frac'] for s in steps]):.1f}% waiting for data, "
+                    f"sync {_mean([s['sync/seconds'] for s in steps]) * 1e3:.1f} ms/step, "
+                    f"skipped steps {last.get('learner/skipped_steps', 0)}"),
+        ("staleness", f"mean {_mean([s['staleness/mean'] for s in steps]):.2f}, max "
+                      f"{max(s['staleness/max'] for s in steps)}, dropped {last['staleness/dropped']}"
+                      + (f"; samples by staleness {histogram}" if counts else "")),
+        ("off-policy", f"IS-weight ESS mean {_mean(ess):.3f}, min {min(ess):.3f}" if ess else "IS-weight ESS n/a"),
+        ("actors", f"{last['actors/live']} live at the end; {last['data/prompts_admitted']} prompts admitted, "
+                   f"{last['data/prompts_consumed']} consumed; {last['wire/rejected']} messages rejected"),
+    ]
+    if evals:
+        rows.append(("eval", f"accuracy {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "
+                             f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})"))
+    rows.append(("outputs", f"model {run_dir / 'final'}; tensorboard --logdir {run_dir / 'tb'}"))
+    width = max(len(name) for name, _ in rows)
+    return [f"async-rl: {name:<{width}}  {text}" for name, text in rows]
