@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "actor":
+        import faulthandler
+
+        faulthandler.enable()  # a crash in native code (gloo, BLAS) still prints where each thread was
         from .roles.actor import run_actor
         from .runtime import exit_now
 
