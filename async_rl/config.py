@@ -116,6 +116,10 @@ class EvalConfig(_Section):
     every: int = Field(10, ge=0, description="Greedy held-out evaluation every this many steps (0 = only first and last).")
 
 
+class MetricsConfig(_Section):
+    text_every: int = Field(10, ge=0, description="Write a few of the batch's generations (prompt, response, reward, version) to TensorBoard's text tab every this many steps (0 = never).")
+
+
 class CheckpointConfig(_Section):
     every: int = Field(0, ge=0, description="Resumable checkpoint every this many steps (0 = only at the end); `--resume` loses at most this many steps.")
     keep: int = Field(2, ge=1, description="Complete checkpoints kept in RUN_DIR/checkpoints; older ones are deleted once a newer one is complete.")
@@ -146,6 +150,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)

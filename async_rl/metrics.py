@@ -1,5 +1,10 @@
 """Run metrics: one flat JSON object per line in metrics.jsonl, the same scalars in
-TensorBoard (RUN_DIR/tb), and a console progress bar. Only learner rank 0 writes."""
+TensorBoard (RUN_DIR/tb), and a console progress bar. Only learner rank 0 writes.
+
+TensorBoard also gets what does not fit a flat line: per-step histograms (staleness
+per sample, importance weights, response lengths, rewards), a few sample generations
+as text, and a custom-scalars layout (the "Custom Scalars" tab) that groups related
+curves on one chart."""
 from __future__ import annotations
 
 import json
@@ -7,8 +12,9 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+import numpy as np
 from tqdm import tqdm
 
 # Keys every step line carries (DESIGN.md contract); tests check them against this list.
@@ -20,6 +26,60 @@ STEP_KEYS = (
     "data/prompts_consumed",
 )
 EVAL_KEYS = ("step", "version", "time", "eval/accuracy", "eval/reward_mean")
+
+# Histogram tags, one value per sample (per response token for the weights). Distinct
+# from the scalar tags: TensorBoard keeps one plugin per tag.
+HISTOGRAM_TAGS = ("staleness/per_sample", "is/weight", "train/response_len", "train/reward")
+GENERATIONS_TAG = "samples/generations"
+GENERATION_ROWS = 4
+
+# "Custom Scalars" tab: category -> chart -> ["Multiline", tag regexes].
+CUSTOM_SCALARS = {
+    "staleness": {
+        "staleness (versions)": ["Multiline", [r"^staleness/mean$", r"^staleness/max$"]],
+        "samples per staleness value": ["Multiline", [r"^staleness/count_\d+$"]],
+        "dropped as too stale": ["Multiline", [r"^staleness/dropped$"]],
+    },
+    "throughput": {
+        "samples/s": ["Multiline", [r"^throughput/samples_per_s$"]],
+        "generated tokens/s": ["Multiline", [r"^throughput/gen_tokens_per_s$"]],
+        "learner idle fraction": ["Multiline", [r"^learner/idle_frac$"]],
+        "actor generation seconds per group": ["Multiline", [r"^actors/gen_seconds_per_group$"]],
+    },
+    "losses": {
+        "losses": ["Multiline", [r"^loss/"]],
+        "gradient norm": ["Multiline", [r"^learner/grad_norm$", r"^critic/grad_norm$"]],
+    },
+    "sync": {
+        "weight sync seconds": ["Multiline", [r"^sync/seconds$", r"^sync/broadcast_seconds$"]],
+        "live actors": ["Multiline", [r"^actors/live$"]],
+    },
+}
+
+
+def batch_histograms(groups: Sequence[Any], staleness: Sequence[int]) -> dict[str, np.ndarray]:
+    """Per-sample distributions of one batch (ExperienceGroup messages and each group's
+    staleness); the learner adds the importance weights after its step."""
+    per_group = [g.response_tokens.shape[0] for g in groups]
+    return {"staleness/per_sample": np.repeat(np.asarray(staleness, dtype=np.int64), per_group),
+            "train/response_len": np.concatenate([g.response_lengths for g in groups]),
+            "train/reward": np.concatenate([g.rewards for g in groups])}
+
+
+def _cell(text: str) -> str:
+    """Markdown table cell: TensorBoard renders text summaries as markdown."""
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ") or " "
+
+
+def generations_table(groups: Sequence[Any], tokenizer, rows: int = GENERATION_ROWS) -> str:
+    """The first response of the batch's first `rows` groups, as a markdown table."""
+    lines = ["| prompt | response | reward | version |", "|---|---|---|---|"]
+    for g in groups[:rows]:
+        prompt = tokenizer.decode(np.asarray(g.prompt_tokens).tolist(), skip_special_tokens=True)
+        response = tokenizer.decode(g.response_tokens[0, :int(g.response_lengths[0])].tolist(),
+                                    skip_special_tokens=True)
+        lines.append(f"| {_cell(prompt)} | {_cell(response)} | {float(g.rewards[0]):.3g} | {g.version} |")
+    return "\n".join(lines)
 
 
 def truncate_after(path: Path, step: int) -> None:
@@ -53,6 +113,7 @@ class MetricsLogger:
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
         # purge_step hides the stopped run's TensorBoard events after the checkpoint.
         self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
+        self._tb.add_custom_scalars(CUSTOM_SCALARS)
         # Redraw often on a terminal, rarely in a log file.
         interactive = sys.stderr.isatty()
         self._bar = tqdm(total=total_steps, initial=resume_step, desc="train", unit="step", dynamic_ncols=True,
@@ -62,7 +123,10 @@ class MetricsLogger:
     def elapsed(self) -> float:
         return time.time() - self.start
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: dict[str, Any], *, histograms: dict[str, Any] | None = None,
+            texts: dict[str, str] | None = None) -> None:
+        """`record`: one metrics.jsonl line (its numbers also go to TensorBoard);
+        `histograms` (tag -> values) and `texts` (tag -> markdown): TensorBoard only."""
         record = {"time": round(self.elapsed(), 3), **record}
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
@@ -70,6 +134,12 @@ class MetricsLogger:
         for key, value in record.items():
             if key not in ("step", "time") and isinstance(value, (int, float)) and value is not None:
                 self._tb.add_scalar(key, value, step)
+        for tag, values in (histograms or {}).items():
+            values = np.asarray(values, dtype=np.float64).reshape(-1)
+            if values.size:  # TensorBoard refuses an empty histogram
+                self._tb.add_histogram(tag, values, step)
+        for tag, text in (texts or {}).items():
+            self._tb.add_text(tag, text, step)
         if "eval/accuracy" in record:
             self._last_eval = record["eval/accuracy"]
             self._bar.write(f"step {step:4d}  eval accuracy {record['eval/accuracy']:.3f}")

@@ -99,9 +99,11 @@ def _denominators(cfg: Config, local: Batch, rows_per_mb: int) -> torch.Tensor:
     return _all_reduce_sum(torch.tensor(out, dtype=torch.float64, device=local.tokens.device)).cpu()
 
 
-def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, returns, old_values, denom, acc) -> float:
+def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, returns, old_values, denom, acc,
+                is_weights: list[torch.Tensor] | None = None) -> float:
     """Backward one micro-batch; accumulate its diagnostics into `acc` (sums); return its
-    share of the minibatch loss (policy + regularizers + critic) on this rank."""
+    share of the minibatch loss (policy + regularizers + critic) on this rank. Appends
+    the micro-batch's raw importance weights (response tokens) to `is_weights` if given."""
     t, world = cfg.train, dist.get_world_size()
     m = micro.loss_mask
     mb = m.bool()
@@ -156,6 +158,8 @@ def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, retur
     raw_w = torch.exp(torch.where(mb, prox - micro.logp_behav, 0.0).double())
     acc["w_sum"] += float(torch.where(mb, raw_w, 0.0).sum())
     acc["w_sq_sum"] += float(torch.where(mb, raw_w.square(), 0.0).sum())
+    if is_weights is not None:
+        is_weights.append(raw_w[mb].cpu())
     acc["tokens"] += n_tok
     for key in ("opmd/residual_mean", "opmd/residual_abs_mean", "opmd/log_ratio_mean"):
         if key in stats:
@@ -197,8 +201,11 @@ def _optimizer_steps(models: Models, grad_clip: float, local_loss: float, acc) -
         acc["critic/grad_norm"] += float(norms[1]) / world if ok else 0.0
 
 
-def train_step(cfg: Config, models: Models, local: Batch) -> dict[str, float]:
-    """One learner step on this rank's rows (whole groups); returns global diagnostics."""
+def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch.Tensor] | None = None
+               ) -> dict[str, float]:
+    """One learner step on this rank's rows (whole groups); returns global diagnostics.
+    `is_weights`, if given, receives this rank's per-token behavior->proximal importance
+    weights (uncapped), for the TensorBoard histogram: local tokens only, no collective."""
     t = cfg.train
     models.policy.train()
     N = local.tokens.shape[0]
@@ -226,7 +233,8 @@ def train_step(cfg: Config, models: Models, local: Batch) -> dict[str, float]:
             local_loss += _micro_loss(cfg, models, local.rows(start, stop), adv[rows],
                                       None if prox is None else prox[rows], None if ref is None else ref[rows],
                                       None if returns is None else returns[rows],
-                                      None if values is None else values[rows], denominators[k], acc)
+                                      None if values is None else values[rows], denominators[k], acc,
+                                      is_weights)
         _optimizer_steps(models, t.grad_clip, local_loss, acc)
 
     # One all_reduce for every diagnostic; every rank built the same keys in the same order.

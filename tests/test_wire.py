@@ -20,6 +20,7 @@ from async_rl.transport import (
     RejectCounter,
     SyncDone,
     SyncOrder,
+    TraceSpans,
     Wait,
     Welcome,
     WireError,
@@ -66,6 +67,20 @@ SAMPLES = [
     make_group(),
     ExperienceGroup(**{**make_group().__dict__, "greedy_reward": 1.0}),
 ]
+
+
+def make_spans(n: int = 3, **changes) -> TraceSpans:
+    names = ["generate", "score", "push", "wait-for-admission", "sync"]
+    args = np.full((n, 3), -1, dtype=np.int64)
+    args[:, 0] = 4  # groups
+    fields = dict(actor_id=3, dropped=0, names=[names[i % len(names)] for i in range(n)],
+                  start_us=1_790_000_000_000_000 + np.arange(n, dtype=np.int64) * 1000,
+                  dur_us=np.full(n, 250, dtype=np.int64), args=args)
+    return TraceSpans(**{**fields, **changes})
+
+
+# Appended, not inserted: CASES below refer to SAMPLES by position.
+SAMPLES += [make_spans(), make_spans(0, dropped=7)]
 
 
 def assert_same(a, b) -> None:
@@ -262,6 +277,17 @@ CASES = {
     "negative_token": (encode(_group(prompt_tokens=np.array([1, -1], np.int32))), "bad_value"),
     "version_mismatch": (encode(_group(version=3)), "version_mismatch"),
     "negative_version": (encode(_group(token_versions=np.full((4, 6), -1, np.int32))), "bad_value"),
+    "spans_names_longer": (encode(make_spans(names=["generate"] * 4)), "shape_mismatch"),
+    "spans_dur_shorter": (encode(make_spans(dur_us=np.full(2, 250, np.int64))), "shape_mismatch"),
+    "spans_args_width": (encode(make_spans(args=np.full((3, 2), -1, np.int64))), "shape_mismatch"),
+    "spans_unknown_name": (encode(make_spans(names=["generate", "train-step", "push"])), "unknown_span"),
+    "spans_negative_duration": (encode(make_spans(dur_us=np.array([250, -1, 250], np.int64))), "bad_value"),
+    "spans_negative_start": (encode(make_spans(start_us=np.array([-5, 0, 1], np.int64))), "bad_value"),
+    "spans_beyond_2_53": (encode(make_spans(start_us=np.full(3, 1 << 60, np.int64))), "bad_value"),
+    "spans_arg_below_minus_1": (encode(make_spans(args=np.full((3, 3), -2, np.int64))), "bad_value"),
+    "spans_too_many": (encode(make_spans(1025)), "too_large"),
+    "spans_int32_times": (_header_edit(make_spans(), _array("start_us", dtype="int32")), "bad_dtype"),
+    "spans_negative_dropped": (_header_edit(make_spans(), _body(dropped=-1)), "bad_value"),
     "empty_group": (encode(ExperienceGroup(**{
         **make_group().__dict__, "response_tokens": np.zeros((0, 6), np.int32),
         "response_lengths": np.zeros(0, np.int32), "logprobs": np.zeros((0, 6), np.float32),
@@ -275,6 +301,20 @@ def test_rejections(case):
     with pytest.raises(WireError) as info:
         decode(frames, LIMITS)
     assert info.value.reason == reason, info.value
+
+
+def test_invalid_trace_spans_are_rejected_and_counted(ctx):
+    pull, push = _pair(ctx, zmq.PULL, zmq.PUSH)
+    counter = RejectCounter()
+    cases = [CASES[c] for c in ("spans_names_longer", "spans_unknown_name", "spans_negative_duration",
+                                "spans_too_many")]
+    for frames, _ in cases:
+        push.send_multipart(frames)
+        assert recv(pull, LIMITS, counter, routed=False) == (None, None)
+    send(push, make_spans(1024))  # the most one message may carry
+    _, ok = recv(pull, LIMITS, counter, routed=False)
+    assert isinstance(ok, TraceSpans) and len(ok.names) == 1024
+    assert counter.by_reason() == {"shape_mismatch": 1, "unknown_span": 1, "bad_value": 1, "too_large": 1}
 
 
 def test_padding_is_not_checked_for_logprob_sign_or_version():

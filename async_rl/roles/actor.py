@@ -4,7 +4,8 @@ Loop: ask the hub for work -> (join a weight sync | generate G responses per gra
 prompt, score them, push one message per group | wait). New weights are applied only
 here, between generation batches, so every token of a batch has one version.
 A heartbeat thread with its own socket keeps the actor alive in the registry while a
-long batch runs.
+long batch runs, and ships the actor's timeline spans (generate, score, push,
+wait-for-admission, sync; see tracing.py) to the hub with each heartbeat.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import zmq
 
 from ..config import Config, from_yaml
 from ..engines import make_engine
-from ..transport import (ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder, Wait,
-                         Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
+from ..tracing import SpanRecorder, WaitSpan, now_us, spans_to_arrays
+from ..transport import (ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder, TraceSpans,
+                         Wait, Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
 from ..transport.security import secure_client
 from ..weight_sync import SyncAbandoned, WeightReceiver, describe
 from ..runtime import load_tokenizer, make_task_from_config, quiet_libraries, resolve_device, sync_backend
@@ -59,8 +61,22 @@ class HubClient:
                 return reply
 
 
-def _heartbeat_loop(ctx: zmq.Context, hub_addr: str, keys_dir: str | None, state: dict, stop: threading.Event,
-                    every_s: float) -> None:
+def _ship_spans(sock: zmq.Socket, actor_id: int, spans: SpanRecorder, *, flags: int = 0) -> None:
+    """Send the oldest pending spans (at most one message's worth); spans that cannot
+    be sent are counted as dropped, in the next message."""
+    taken, dropped = spans.take(WireLimits().max_trace_spans)
+    if not taken and not dropped:
+        return
+    names, start_us, dur_us, args = spans_to_arrays(taken)
+    try:
+        send(sock, TraceSpans(actor_id=actor_id, dropped=dropped, names=names, start_us=start_us, dur_us=dur_us,
+                              args=args), flags=flags)
+    except zmq.ZMQError:
+        spans.count_lost(len(taken) + dropped)
+
+
+def _heartbeat_loop(ctx: zmq.Context, hub_addr: str, keys_dir: str | None, state: dict, spans: SpanRecorder,
+                    stop: threading.Event, every_s: float) -> None:
     client = HubClient(ctx, hub_addr, timeout_s=every_s * 5, keys_dir=keys_dir)
     try:
         while not stop.wait(every_s):
@@ -68,7 +84,8 @@ def _heartbeat_loop(ctx: zmq.Context, hub_addr: str, keys_dir: str | None, state
                 send(client.sock, Heartbeat(actor_id=state["actor_id"], version=state["version"],
                                             generated_groups=state["generated"]))
             except zmq.Again:
-                pass  # the hub is busy; the main loop notices a dead hub through its own timeouts
+                continue  # the hub is busy; the main loop notices a dead hub through its own timeouts
+            _ship_spans(client.sock, state["actor_id"], spans)
     finally:
         client.sock.close(0)
 
@@ -85,11 +102,13 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
     cfg: Config = from_yaml(welcome.config_yaml)
     actor_id = welcome.actor_id
     state = {"actor_id": actor_id, "version": 0, "generated": 0, "epoch": -1}
+    spans = SpanRecorder()  # pending until the heartbeat thread ships them
+    waiting = WaitSpan(spans, "wait-for-admission")
     stop = threading.Event()
     # Beat from registration on: loading the model may take longer than
     # actors.heartbeat_timeout_s, and a silent newcomer would be reaped as dead.
     beat = threading.Thread(target=_heartbeat_loop, daemon=True,
-                            args=(ctx, hub_addr, keys_dir, state, stop, cfg.actors.heartbeat_s))
+                            args=(ctx, hub_addr, keys_dir, state, spans, stop, cfg.actors.heartbeat_s))
     beat.start()
     push = None
     try:
@@ -116,46 +135,58 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             # Parameters left half-updated by a broken-off broadcast must not generate:
             # ask for no prompts (the hub answers Wait or SyncOrder) until a sync completes.
             wanted = cfg.actors.groups_per_request if receiver.intact else 0
+            asked_us = now_us()
             try:
                 reply = hub.request(WorkRequest(actor_id=actor_id, version=engine.version, max_groups=wanted))
             except TimeoutError:
                 log.error("actor %d leaving: the hub did not answer for %.0fs", actor_id, cfg.transport.timeout_s)
                 return 1
+            if isinstance(reply, Wait):  # one wait-for-admission span until the hub grants or syncs
+                waiting.waiting(since_us=asked_us)
+                time.sleep(reply.seconds)
+                continue
+            waiting.done()
             if isinstance(reply, Goodbye):
                 log.info("actor %d leaving: %s", actor_id, reply.reason)
                 return 0
-            if isinstance(reply, Wait):
-                time.sleep(reply.seconds)
-            elif isinstance(reply, SyncOrder):
+            if isinstance(reply, SyncOrder):
                 if reply.epoch <= failed_epoch:
                     # Rank 0 has failed or abandoned that epoch too; the hub has not seen it yet.
                     time.sleep(0.05)
-                elif not _sync(hub, receiver, engine, reply, state):
+                elif not _sync(hub, receiver, engine, reply, state, spans):
                     failed_epoch = reply.epoch
             elif isinstance(reply, WorkGrant):
-                for msg in rollout(engine, tokenizer, task, cfg, reply, actor_id, generator):
-                    push.send_multipart(msg, copy=False)
-                    state["generated"] += 1
+                messages = rollout(engine, tokenizer, task, cfg, reply, actor_id, generator, spans)
+                with spans.span("push", groups=len(messages)):
+                    for msg in messages:
+                        push.send_multipart(msg, copy=False)
+                        state["generated"] += 1
     finally:
+        # The heartbeat thread stops first, so that nothing of ours reaches the hub after
+        # the goodbye (it would count as a message from an unknown actor).
+        stop.set()
+        beat.join(timeout=5)
+        while len(spans):  # best effort, like the goodbye: the spans since the last heartbeat
+            _ship_spans(hub.sock, actor_id, spans, flags=zmq.NOBLOCK)
         try:  # best effort: the hub re-issues our prompts now instead of after the heartbeat timeout
             send(hub.sock, Goodbye(reason="leaving", actor_id=actor_id), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
-        stop.set()
         if push is not None:
             push.close()
         hub.sock.close(linger=1000)  # lets the goodbye out
-        beat.join(timeout=5)
         ctx.term()
 
 
-def _sync(hub: HubClient, receiver: WeightReceiver, engine, order: SyncOrder, state: dict) -> bool:
+def _sync(hub: HubClient, receiver: WeightReceiver, engine, order: SyncOrder, state: dict,
+          spans: SpanRecorder) -> bool:
     """Take part in the broadcast `order` names. A broadcast that breaks off (a peer
     killed, a timeout, rank 0 abandoning the epoch) costs one log line, not the actor."""
     actor_id = state["actor_id"]
     try:
-        receiver.receive(epoch=order.epoch, rank=order.rank, world_size=order.world_size,
-                         store_host=order.store_host, store_port=order.store_port)
+        with spans.span("sync", version=order.version):
+            receiver.receive(epoch=order.epoch, rank=order.rank, world_size=order.world_size,
+                             store_host=order.store_host, store_port=order.store_port)
     except Exception as err:
         level = logging.INFO if isinstance(err, SyncAbandoned) else logging.WARNING
         log.log(level, "actor %d: weight sync of version %d (epoch %d) failed (%s); %s", actor_id, order.version,
@@ -172,22 +203,31 @@ def _sync(hub: HubClient, receiver: WeightReceiver, engine, order: SyncOrder, st
     return True
 
 
-def rollout(engine, tokenizer, task, cfg: Config, grant: WorkGrant, actor_id: int, generator) -> list:
-    """Generate, score and encode one ExperienceGroup per granted prompt."""
+def rollout(engine, tokenizer, task, cfg: Config, grant: WorkGrant, actor_id: int, generator,
+            spans: SpanRecorder | None = None) -> list:
+    """Generate, score and encode one ExperienceGroup per granted prompt; `spans` gets
+    the generate and score spans."""
     from ..transport import encode
 
+    spans = spans if spans is not None else SpanRecorder(enabled=False)
     G = cfg.train.group_size
     prompt_tokens = [tokenizer(text)["input_ids"] for text in grant.prompts]
     started = time.monotonic()
-    completions = engine.generate(prompt_tokens, n=G, max_new_tokens=cfg.actors.max_new_tokens,
-                                  temperature=cfg.actors.temperature, top_p=cfg.actors.top_p, generator=generator)
-    greedy_rewards: list[float | None] = [None] * len(grant.prompts)
-    if cfg.train.advantage == "remax":
-        # ReMax's baseline: one greedy response per prompt from the same weights.
-        greedy = engine.generate(prompt_tokens, n=1, max_new_tokens=cfg.actors.max_new_tokens, greedy=True)
-        greedy_rewards = [float(task.reward(p, tokenizer.decode(g[0].tokens.tolist(), skip_special_tokens=True), a))
-                          for p, g, a in zip(grant.prompts, greedy, grant.answers)]
+    with spans.span("generate", groups=len(grant.prompts)) as span_args:
+        completions = engine.generate(prompt_tokens, n=G, max_new_tokens=cfg.actors.max_new_tokens,
+                                      temperature=cfg.actors.temperature, top_p=cfg.actors.top_p, generator=generator)
+        greedy_rewards: list[float | None] = [None] * len(grant.prompts)
+        if cfg.train.advantage == "remax":
+            # ReMax's baseline: one greedy response per prompt from the same weights.
+            greedy = engine.generate(prompt_tokens, n=1, max_new_tokens=cfg.actors.max_new_tokens, greedy=True)
+            greedy_rewards = [float(task.reward(p, tokenizer.decode(g[0].tokens.tolist(), skip_special_tokens=True),
+                                                a)) for p, g, a in zip(grant.prompts, greedy, grant.answers)]
+        span_args["tokens"] = sum(len(c.tokens) for samples in completions for c in samples)
     gen_seconds = (time.monotonic() - started) / max(1, len(grant.prompts))
+    with spans.span("score", groups=len(completions)):
+        rewards_of = [np.array([float(task.reward(prompt, tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True),
+                                                  answer)) for c in samples], dtype=np.float32)
+                      for prompt, answer, samples in zip(grant.prompts, grant.answers, completions)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     out = []
     for k, samples in enumerate(completions):
@@ -196,7 +236,7 @@ def rollout(engine, tokenizer, task, cfg: Config, grant: WorkGrant, actor_id: in
         logprobs = np.zeros((G, T), dtype=np.float32)
         versions = np.zeros((G, T), dtype=np.int32)
         lengths = np.zeros(G, dtype=np.int32)
-        rewards = np.zeros(G, dtype=np.float32)
+        rewards = rewards_of[k]
         for j, c in enumerate(samples):
             n = len(c.tokens)
             tokens[j, :n] = c.tokens.numpy()
@@ -204,8 +244,6 @@ def rollout(engine, tokenizer, task, cfg: Config, grant: WorkGrant, actor_id: in
             versions[j, :n] = c.versions.numpy()
             versions[j, n:] = engine.version
             lengths[j] = n
-            response = tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True)
-            rewards[j] = float(task.reward(grant.prompts[k], response, grant.answers[k]))
         valid = versions[np.arange(T)[None, :] < lengths[:, None]]
         out.append(encode(ExperienceGroup(
             actor_id=actor_id, group=grant.groups[k], prompt_id=grant.prompt_ids[k],

@@ -3,8 +3,10 @@
 It owns the prompt cursor (admission index = prompt index), admission control, the
 replay buffer, the actor registry and the weight-sync membership. Actors talk to it
 over a ROUTER socket (hello / work / heartbeat / sync-done / goodbye, one reply per
-request) and push experience to a PULL socket. Every message is validated by the wire
-layer; anything inconsistent with the coordinator's state is rejected and counted too.
+request; timeline spans come with the heartbeats and get no reply) and push experience
+to a PULL socket. Every message is validated by the wire layer; anything inconsistent
+with the coordinator's state is rejected and counted too. Valid spans go to the run's
+trace writer (tracing.py).
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ from ..admission import Admission
 from ..config import Config, to_yaml
 from ..replay_buffer import ReplayBuffer
 from ..tasks.base import Task
-from ..transport import (ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder, Wait,
-                         Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
+from ..tracing import TraceWriter
+from ..transport import (ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder, TraceSpans,
+                         Wait, Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
 from ..transport.security import CurveServer
 from ..weight_sync import WeightBroadcaster
 
@@ -55,8 +58,12 @@ class Grant:
 
 
 class Coordinator:
-    def __init__(self, cfg: Config, task: Task, broadcaster: WeightBroadcaster, run_dir: Path):
+    def __init__(self, cfg: Config, task: Task, broadcaster: WeightBroadcaster, run_dir: Path,
+                 trace: TraceWriter | None = None):
+        """`trace`: where the actors' timeline spans go (the learner's writer; by default
+        one of our own that nobody writes out)."""
         self.cfg, self.task, self.broadcaster, self.run_dir = cfg, task, broadcaster, run_dir
+        self.trace = trace if trace is not None else TraceWriter(run_dir / "trace.json")
         self.admission = Admission(cfg.max_staleness, cfg.train.batch_groups)
         capacity = (cfg.max_staleness + 2) * cfg.train.batch_groups + cfg.actors.count * cfg.actors.groups_per_request
         self.buffer: ReplayBuffer[ExperienceGroup] = ReplayBuffer(cfg.max_staleness, capacity)
@@ -194,14 +201,17 @@ class Coordinator:
             if isinstance(msg, WorkRequest):
                 self._reply(hub, identity, Goodbye(reason="unknown actor: register with hello first"))
             return
-        if identity != actor.identity and not isinstance(msg, Heartbeat):
-            # Requests come from the socket that registered (heartbeats have their own):
+        if identity != actor.identity and not isinstance(msg, (Heartbeat, TraceSpans)):
+            # Requests come from the socket that registered (heartbeats and the spans
+            # shipped with them have their own):
             # a peer that guesses an actor id cannot take its grants or its place.
             self.rejects.reject("identity_mismatch")
             return
         actor.last_seen = now
         if isinstance(msg, Heartbeat):
             actor.version = max(actor.version, msg.version)
+        elif isinstance(msg, TraceSpans):  # validated by the wire layer; no reply
+            self.trace.add_actor_spans(msg.actor_id, msg.names, msg.start_us, msg.dur_us, msg.args, msg.dropped)
         elif isinstance(msg, SyncDone):
             actor.version = max(actor.version, msg.version)
             actor.synced = (msg.epoch, msg.version)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import faulthandler
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,8 @@ from ..config import Config, load_config, to_yaml
 from ..evaluation import evaluate
 from ..runtime import (EXIT_NONFINITE, load_tokenizer, make_task_from_config, quiet_libraries, resolve_device,
                        sync_backend, write_status)
-from ..metrics import MetricsLogger
+from ..metrics import MetricsLogger, batch_histograms, generations_table
+from ..tracing import SpanRecorder, TraceWriter
 from ..train_step import Models, train_step
 
 log = logging.getLogger("async_rl.learner")
@@ -107,6 +110,7 @@ class Learner:
         self.version = 0
         self.samples_total = self.skipped_total = 0
         self.stop_event = threading.Event()  # set by SIGINT/SIGTERM; rank 0 acts on it
+        self.spans = SpanRecorder(enabled=False)  # the timeline is rank 0's: see _init_rank0
         state = load_checkpoint(resume, self._trained_parts()) if resume else None
         if state is not None:
             self.version = state["version"]
@@ -114,7 +118,7 @@ class Learner:
             self.scheduler.load_state_dict(learner["scheduler"])
             self.samples_total, self.skipped_total = learner["samples"], learner["skipped"]
         if self.rank == 0:
-            self._init_rank0()
+            self._init_rank0(resume=state is not None)
             if state is not None:
                 self.coordinator.restore(self.version, state["coordinator"], read_groups(resume / BUFFER_FILE))
                 log.info("resumed from %s at version %d: %d buffered groups, %d prompts to re-issue", resume,
@@ -129,7 +133,7 @@ class Learner:
             parts["critic"] = (self.models.critic, self.models.critic_optimizer)
         return parts
 
-    def _init_rank0(self) -> None:
+    def _init_rank0(self, resume: bool) -> None:
         from ..engines.torch_engine import TorchEngine
         from ..weight_sync import WeightBroadcaster
         from .coordinator import Coordinator
@@ -141,18 +145,23 @@ class Learner:
         self.broadcaster = WeightBroadcaster(self.specs, bucket_mb=cfg.sync.bucket_mb, host=cfg.transport.host,
                                              backend=sync_backend(self.device), device=self.device,
                                              timeout_s=cfg.sync.timeout_s)
-        self.coordinator = Coordinator(cfg, self.task, self.broadcaster, self.run_dir)
+        # The run's timeline (trace.json): this thread's spans, and the actors' via the coordinator.
+        self.trace = TraceWriter(self.run_dir / "trace.json", resume=resume)
+        self.spans = self.trace.learner
+        self.coordinator = Coordinator(cfg, self.task, self.broadcaster, self.run_dir, trace=self.trace)
 
     # -- pieces of a step -------------------------------------------------------
-    def _next_batch(self) -> tuple[Batch | None, dict[str, float]]:
+    def _next_batch(self) -> tuple[Batch | None, dict[str, Any]]:
         """Rank 0 takes the next groups and scatters them; (None, {}) on every rank once
-        rank 0 decides to stop (signal received while training or waiting for data)."""
-        info: dict[str, float] = {}
+        rank 0 decides to stop (signal received while training or waiting for data).
+        Rank 0's info: the step's figures, plus TensorBoard histograms and texts."""
+        info: dict[str, Any] = {}
         batch = None
         if self.rank == 0 and not self.stop_event.is_set():
             cfg = self.cfg
-            taken = self.coordinator.buffer.take(cfg.train.batch_groups, self.version,
-                                                 timeout=cfg.learner.timeout_s, stop=self.stop_event)
+            with self.spans.span("wait-for-data", step=self.version + 1):
+                taken = self.coordinator.buffer.take(cfg.train.batch_groups, self.version,
+                                                     timeout=cfg.learner.timeout_s, stop=self.stop_event)
             if taken is None and not self.stop_event.is_set():
                 raise RuntimeError(f"no experience arrived for {cfg.learner.timeout_s:.0f}s "
                                    f"(live actors: {self.coordinator.live_actors})")
@@ -169,6 +178,10 @@ class Learner:
                         "actors/gen_seconds_per_group": sum(g.gen_seconds for g in taken.groups) / len(taken.groups)}
                 for k in sorted(set(staleness)):  # the per-step staleness histogram, in samples
                     info[f"staleness/count_{k}"] = staleness.count(k) * self.cfg.train.group_size
+                info["histograms"] = batch_histograms(taken.groups, staleness)
+                text_every = cfg.metrics.text_every
+                if text_every and (self.version + 1) % text_every == 0:
+                    info["texts"] = {"samples/generations": generations_table(taken.groups, self.tokenizer)}
         # One small broadcast keeps every rank in lock-step: 1 = stop.
         stop = torch.tensor([float(self.rank == 0 and batch is None)], dtype=torch.float64, device=self.device)
         dist.broadcast(stop, src=0)
@@ -189,7 +202,8 @@ class Learner:
 
     def _sync_weights(self) -> float:
         started = time.monotonic()
-        self._gather(lambda params: self.broadcaster.publish(self.version, params))
+        with self.spans.span("sync", version=self.version):  # gather + publish; the broadcast runs behind
+            self._gather(lambda params: self.broadcaster.publish(self.version, params))
         return time.monotonic() - started
 
     def _load_eval_copy(self, params) -> None:
@@ -199,10 +213,12 @@ class Learner:
                 named[name].copy_(full)
 
     def _evaluate(self) -> None:
-        self._gather(self._load_eval_copy)
-        if self.rank != 0:
-            return
-        result = evaluate(self.eval_engine, self.tokenizer, self.task, max_new_tokens=self.cfg.actors.max_new_tokens)
+        with self.spans.span("eval", step=self.version):
+            self._gather(self._load_eval_copy)
+            if self.rank != 0:
+                return
+            result = evaluate(self.eval_engine, self.tokenizer, self.task,
+                              max_new_tokens=self.cfg.actors.max_new_tokens)
         self.metrics.log({"step": self.version, "version": self.version, "eval/accuracy": result.accuracy,
                           "eval/reward_mean": result.reward_mean})
 
@@ -219,7 +235,9 @@ class Learner:
             local, info = self._next_batch()
             if local is None:
                 break
-            stats = train_step(cfg, self.models, local)
+            is_weights: list[torch.Tensor] | None = [] if self.rank == 0 else None
+            with self.spans.span("train-step", step=self.version + 1):
+                stats = train_step(cfg, self.models, local, is_weights)
             self.skipped_total += stats["learner/skipped_steps"]
             skipped_streak = skipped_streak + 1 if stats["learner/skipped_steps"] else 0
             if skipped_streak and self.rank == 0:
@@ -249,7 +267,10 @@ class Learner:
                     "sync/broadcast_seconds": self.broadcaster.last_broadcast_s,
                     "wire/rejected": c.rejects.total, "actors/live": c.live_actors,
                     "data/prompts_admitted": c.admission.admitted, "data/prompts_consumed": c.buffer.consumed,
-                })
+                }, texts=info.get("texts"), histograms={
+                    # Importance weights of rank 0's tokens only (whole groups, 1/learner.ranks
+                    # of the batch): a fair sample of the batch, without a collective.
+                    **info["histograms"], "is/weight": torch.cat(is_weights) if is_weights else []})
             if skipped_streak >= cfg.train.max_skipped_steps:
                 # Every rank counts the same streak (the skip decision is all-reduced).
                 if self.rank == 0:
@@ -284,8 +305,13 @@ class Learner:
             write_groups(directory / BUFFER_FILE, groups)
             (directory / "config.yaml").write_text(to_yaml(self.cfg))
 
-        save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.version:06d}", self._trained_parts(), state,
-                        write_extra, keep=self.cfg.checkpoint.keep)
+        with self.spans.span("checkpoint", step=self.version):
+            save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.version:06d}", self._trained_parts(), state,
+                            write_extra, keep=self.cfg.checkpoint.keep)
+        if self.rank == 0:
+            # After the checkpoint is complete: the trace a resumed run continues never
+            # runs ahead of the checkpoint it resumes from.
+            self.trace.write()
 
     def _finish(self) -> None:
         self._checkpoint()
@@ -297,6 +323,7 @@ class Learner:
             # step's weights) would only run into its timeout, so do not wait for it.
             self.broadcaster.close(wait_s=1.0)
             self.metrics.close()
+            self.trace.write()  # again: the actors' last spans came with their goodbyes
 
 
 def shutdown_world() -> None:
@@ -311,6 +338,7 @@ def shutdown_world() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    faulthandler.enable()  # a crash in native code (gloo, BLAS) still prints where each thread was
     cfg = load_config(argv[0])
     resume = Path(argv[argv.index("--resume") + 1]) if "--resume" in argv else None
     quiet_libraries()

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import numpy as np
 
+from ..tracing import ACTOR_SPANS, MAX_TRACE_US, SPAN_ARG_KEYS
+
 if TYPE_CHECKING:  # wire imports this module; avoid the cycle at run time
     from .wire import WireLimits
 
@@ -191,6 +193,33 @@ class ExperienceGroup(Message):
         return None
 
 
+@dataclass(frozen=True, eq=False)
+class TraceSpans(Message):
+    """actor -> hub, from the heartbeat thread: timeline spans recorded since the last
+    shipment, as parallel arrays (see async_rl/tracing.py)."""
+
+    KIND: ClassVar[str] = "trace_spans"
+    actor_id: int = bounded(lo=0)
+    dropped: int = bounded(lo=0)  # spans the actor had to drop since the last shipment (buffer full)
+    names: list[str]  # each one of tracing.ACTOR_SPANS
+    start_us: np.ndarray = array("int64", 1)  # [n] wall clock, microseconds since the epoch
+    dur_us: np.ndarray = array("int64", 1)  # [n] microseconds
+    args: np.ndarray = array("int64", 2)  # [n, len(tracing.SPAN_ARG_KEYS)], -1 = not set
+
+    def check(self, limits: "WireLimits") -> str | None:
+        n = len(self.names)
+        if self.start_us.shape != (n,) or self.dur_us.shape != (n,) or self.args.shape != (n, len(SPAN_ARG_KEYS)):
+            return "shape_mismatch"
+        if n > limits.max_trace_spans:
+            return "too_large"
+        if not ACTOR_SPANS.issuperset(self.names):
+            return "unknown_span"
+        if n and (self.start_us.min() < 0 or self.start_us.max() >= MAX_TRACE_US or self.dur_us.min() < 0
+                  or self.dur_us.max() >= MAX_TRACE_US or self.args.min() < -1):
+            return "bad_value"
+        return None
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {cls.KIND: cls for cls in (
     Hello, Welcome, WorkRequest, WorkGrant, Wait, SyncOrder, SyncDone, Heartbeat, Goodbye,
-    ExperienceGroup)}
+    ExperienceGroup, TraceSpans)}

@@ -46,6 +46,9 @@ class WireLimits:
     max_dim: int = 1 << 20
     max_group_size: int = 1024
     max_tokens: int = 65536
+    # Spans per TraceSpans message: 1024 of the longest name keep the header far below
+    # max_header_bytes; an actor ships at most this many per heartbeat.
+    max_trace_spans: int = 1024
 
 
 @dataclass(frozen=True)
