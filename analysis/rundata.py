@@ -50,6 +50,45 @@ class Run:
         return dict(sorted(counts.items()))
 
 
+def labels(runs: list[Run]) -> list[str]:
+    """Run names for legends and tables; the parent directory is added where names collide."""
+    names = [r.name for r in runs]
+    return [f"{r.path.parent.name}/{r.name}" if names.count(r.name) > 1 else r.name for r in runs]
+
+
+def rolling(values: list[float], window: int) -> list[float]:
+    """Trailing mean over `window` points (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def smoothing_window(n: int, smooth: int | None) -> int:
+    """`smooth` points when given, else a window that shows about 50 points' worth of detail."""
+    return max(1, smooth if smooth else n // 50)
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on the machines this runs on
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(plt, fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def read_trace(path: Path) -> list[Span] | None:
     """Chrome trace format: complete events ("ph": "X", microseconds) and the
     "process_name" metadata events that name each pid's track."""

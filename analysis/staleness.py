@@ -30,7 +30,7 @@ import math
 import sys
 from pathlib import Path
 
-from rundata import Run, load_run
+from rundata import Run, labels, load_run, pyplot, rolling, save_figure, smoothing_window
 
 PLOTS = ("staleness_hist.png", "staleness_time.png", "is_ess.png")
 COMPARE = "staleness_compare.png"
@@ -38,21 +38,6 @@ COMPARE = "staleness_compare.png"
 
 def count_keys(step: dict) -> dict[int, int]:
     return {int(k.rsplit("_", 1)[1]): int(v) for k, v in step.items() if k.startswith("staleness/count_")}
-
-
-def rolling(values: list[float], window: int) -> list[float]:
-    """Trailing mean over `window` points (fewer at the start)."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
-def auto_window(n: int, smooth: int | None) -> int:
-    return max(1, smooth if smooth else n // 50)
 
 
 def stats(run: Run) -> dict:
@@ -96,30 +81,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def labels(runs: list[Run]) -> list[str]:
-    """Run names for legends; the parent directory is added where names collide."""
-    names = [r.name for r in runs]
-    return [f"{r.path.parent.name}/{r.name}" if names.count(r.name) > 1 else r.name for r in runs]
-
-
 # -- plots ----------------------------------------------------------------------------
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on the machines this runs on
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save(plt, fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def plot_run(run: Run, smooth: int | None) -> list[Path]:
     plt = pyplot()
     out = run.path / "analysis"
@@ -144,7 +106,7 @@ def plot_run(run: Run, smooth: int | None) -> list[Path]:
         ax.set(title=f"{run.name}: staleness of {total} trained samples", xlabel="staleness k (versions)",
                ylabel="fraction of samples", xticks=ks, ylim=(0, 1.08))
         ax.grid(alpha=0.3, axis="y")
-        written.append(save(plt, fig, out / "staleness_hist.png"))
+        written.append(save_figure(plt, fig, out / "staleness_hist.png"))
     else:
         print(f"{run.name}: no staleness/count_k keys in metrics.jsonl: no staleness_hist.png", file=sys.stderr)
 
@@ -155,10 +117,10 @@ def plot_run(run: Run, smooth: int | None) -> list[Path]:
                                  squeeze=False)
         ax = axes[0][0]
         mean = [s["staleness/mean"] for s in run.steps]
-        ax.plot(steps, mean, color="tab:blue", alpha=0.35 if auto_window(len(steps), smooth) > 1 else 1,
+        ax.plot(steps, mean, color="tab:blue", alpha=0.35 if smoothing_window(len(steps), smooth) > 1 else 1,
                 label="mean (per step)")
-        if auto_window(len(steps), smooth) > 1:
-            w = auto_window(len(steps), smooth)
+        if smoothing_window(len(steps), smooth) > 1:
+            w = smoothing_window(len(steps), smooth)
             ax.plot(steps, rolling(mean, w), color="tab:blue", label=f"mean ({w}-step rolling)")
         ax.step(steps, [s["staleness/max"] for s in run.steps], where="mid", color="tab:red", label="max")
         if isinstance(bound, int):
@@ -175,13 +137,13 @@ def plot_run(run: Run, smooth: int | None) -> list[Path]:
             ax.set(ylabel="share of the step's samples", ylim=(0, 1))
             ax.legend(fontsize="small", loc="lower right", ncol=min(len(ks), 5))
         axes[-1][0].set_xlabel("learner step")
-        written.append(save(plt, fig, out / "staleness_time.png"))
+        written.append(save_figure(plt, fig, out / "staleness_time.png"))
 
     ess = [(s["step"], s["is/ess"]) for s in run.steps if isinstance(s.get("is/ess"), (int, float))]
     if ess:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         x, y = zip(*ess)
-        w = auto_window(len(y), smooth)
+        w = smoothing_window(len(y), smooth)
         ax.plot(x, y, color="tab:green", alpha=0.35 if w > 1 else 1, marker="." if len(y) < 50 else None,
                 label="is/ess (per step)")
         if w > 1:
@@ -190,7 +152,7 @@ def plot_run(run: Run, smooth: int | None) -> list[Path]:
                ylabel="ESS / N", ylim=(min(0.0, min(y)), 1.05))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-        written.append(save(plt, fig, out / "is_ess.png"))
+        written.append(save_figure(plt, fig, out / "is_ess.png"))
     else:
         print(f"{run.name}: no is/ess in metrics.jsonl: no is_ess.png", file=sys.stderr)
     return written
@@ -209,13 +171,13 @@ def plot_compare(runs: list[Run], path: Path, smooth: int | None) -> Path:
             axes[0].bar([k - 0.4 + width * (i + 0.5) for k in all_ks], [counts.get(k, 0) / total for k in all_ks],
                         width=width, label=name)
         steps = [s["step"] for s in run.steps]
-        w = auto_window(len(steps), smooth)
+        w = smoothing_window(len(steps), smooth)
         line, = axes[1].plot(steps, rolling([s["staleness/mean"] for s in run.steps], w), label=name)
         axes[1].plot(steps, [s["staleness/max"] for s in run.steps], linestyle=":", color=line.get_color())
         ess = [(s["step"], s["is/ess"]) for s in run.steps if isinstance(s.get("is/ess"), (int, float))]
         if ess:
             x, y = zip(*ess)
-            axes[2].plot(x, rolling(list(y), auto_window(len(y), smooth)), label=name)
+            axes[2].plot(x, rolling(list(y), smoothing_window(len(y), smooth)), label=name)
     axes[0].set(title="staleness histogram", xlabel="staleness k", ylabel="fraction of samples", xticks=all_ks)
     if not all_ks:
         axes[0].text(0.5, 0.5, "no staleness/count_k keys\nin these runs", ha="center", va="center",
@@ -226,7 +188,7 @@ def plot_compare(runs: list[Run], path: Path, smooth: int | None) -> Path:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
-    return save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,7 @@ import re
 import sys
 from pathlib import Path
 
-from rundata import Run, Span, load_run
+from rundata import Run, Span, labels, load_run, pyplot, rolling, save_figure, smoothing_window
 
 COLUMNS = ("generate", "score", "push", "train-step", "eval", "checkpoint", "sync", "wait")
 WAITS = {"learner": "wait-for-data", "actor": "wait-for-admission"}
@@ -210,37 +210,6 @@ def actor_table(runs: list[Run]) -> str:
 
 
 # -- plots ------------------------------------------------------------------------------
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on the machines this runs on
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save(plt, fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def rolling(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
-def window_of(n: int, smooth: int | None) -> int:
-    return max(1, smooth if smooth else n // 50)
-
-
 def curve(ax, x, y, w: int, label: str, color=None):
     if w > 1:
         ax.plot(x, y, alpha=0.25, color=color)
@@ -253,7 +222,7 @@ def plot_metrics(run: Run, smooth: int | None) -> Path:
     plt = pyplot()
     steps = run.steps[1:] or run.steps  # the first step's rates include the actors' start-up
     t = [s["time"] for s in steps]
-    w = window_of(len(steps), smooth)
+    w = smoothing_window(len(steps), smooth)
     fig, axes = plt.subplots(3, 1, figsize=(7.5, 7.5), sharex=True)
     curve(axes[0], t, [s["throughput/samples_per_s"] for s in steps], w, "samples/s", "tab:blue")
     curve(axes[1], t, [s["throughput/gen_tokens_per_s"] for s in steps], w, "generated tokens/s", "tab:purple")
@@ -265,7 +234,7 @@ def plot_metrics(run: Run, smooth: int | None) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    return save(plt, fig, run.path / "analysis" / "throughput.png")
+    return save_figure(plt, fig, run.path / "analysis" / "throughput.png")
 
 
 def idle_over_time(track: list[Span], wait: str | None, t0: float, t1: float,
@@ -327,7 +296,7 @@ def plot_trace(run: Run, startup: bool = False) -> list[Path]:
     ax2.set(title="idle share over time", xlabel="trace time (s)", ylabel="share of time bin", ylim=(0, 1.02))
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize="x-small")
-    written = [save(plt, fig, run.path / "analysis" / "time_shares.png")]
+    written = [save_figure(plt, fig, run.path / "analysis" / "time_shares.png")]
 
     # Timeline: about 8 learner steps from the middle of the run.
     train = sorted((s for s in spans if s.name == "train-step" and role_of(s.track) == "learner"),
@@ -350,17 +319,17 @@ def plot_trace(run: Run, startup: bool = False) -> list[Path]:
            title=f"{run.name}: timeline")
     ax.invert_yaxis()
     ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    written.append(save(plt, fig, run.path / "analysis" / "timeline.png"))
+    written.append(save_figure(plt, fig, run.path / "analysis" / "timeline.png"))
     return written
 
 
 def plot_compare(runs: list[Run], path: Path, smooth: int | None) -> Path:
     plt = pyplot()
-    names = [r.name if [x.name for x in runs].count(r.name) == 1 else f"{r.path.parent.name}/{r.name}" for r in runs]
+    names = labels(runs)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for run, name in zip(runs, names):
         steps = run.steps[1:] or run.steps
-        w = window_of(len(steps), smooth)
+        w = smoothing_window(len(steps), smooth)
         t = [s["time"] - run.steps[0]["time"] for s in steps]  # start-up times differ between runs
         axes[0].plot(t, rolling([s["throughput/samples_per_s"] for s in steps], w), label=name)
         axes[1].plot(t, rolling([s["throughput/gen_tokens_per_s"] for s in steps], w), label=name)
@@ -385,7 +354,7 @@ def plot_compare(runs: list[Run], path: Path, smooth: int | None) -> Path:
     for a in axes:
         a.grid(alpha=0.3)
         a.legend(fontsize="small")
-    return save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

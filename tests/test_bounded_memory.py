@@ -20,9 +20,9 @@ import pytest
 import torch
 import zmq
 from conftest import running_coordinator, subprocess_env
+from test_coordinator import ask, dealer
 
-from async_rl.transport import (ExperienceGroup, Hello, RejectCounter, Welcome, WireLimits, WorkGrant, WorkRequest,
-                                encode, recv, send)
+from async_rl.transport import ExperienceGroup, Hello, Welcome, WireLimits, WorkGrant, WorkRequest, encode
 
 ETA, B, G, PER_REQUEST = 1, 4, 4, 2
 
@@ -136,19 +136,6 @@ def test_stalled_learner_blocks_a_real_actor_and_one_step_releases_exactly_one_b
 
 
 # -- the hard caps under the admission bound, driven by a hand-written actor ---------
-
-def dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.RCVTIMEO, 5000)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(addr)
-    return s
-
-
-def ask(sock: zmq.Socket, msg):
-    send(sock, msg)
-    return recv(sock, WireLimits(), RejectCounter(), routed=False)[1]
-
 
 def pusher(ctx: zmq.Context, addr: str) -> zmq.Socket:
     s = ctx.socket(zmq.PUSH)
