@@ -1,4 +1,4 @@
-"""Command line: `async-rl train`, `async-rl actor`, `async-rl keys`, `async-rl config-doc`."""
+"""Command line: `async-rl train`, `async-rl prepare`, `async-rl actor`, `async-rl keys`, `async-rl config-doc`."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=10")
     p_train.add_argument("--resume", metavar="RUN_DIR", default=None,
                          help="continue a stopped run from its latest complete checkpoint")
+    p_prep = sub.add_parser("prepare", help="prepare a run directory as `train` does, without starting anything "
+                                             "(launch/learner.sh); prints RUN_DIR, then the checkpoint with --resume")
+    p_prep.add_argument("config", help="YAML config file (see configs/)")
+    p_prep.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=10")
+    p_prep.add_argument("--resume", metavar="RUN_DIR", default=None, help="as for `train`")
     p_actor = sub.add_parser("actor", help="one actor process that joins a running hub")
     p_actor.add_argument("--hub", required=True, help="the hub address, tcp://HOST:PORT (endpoints.json: hub)")
     p_actor.add_argument("--name", default=None, help="a name for logs and endpoints.json")
@@ -50,7 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         exit_now(run_actor(args.hub, args.name, args.keys))  # the actor held gloo groups: see exit_now
     try:
         cfg = load_config(args.config, args.overrides)
-        from .launcher import train
+        from .launcher import prepare, train
+
+        if args.command == "prepare":
+            import contextlib
+
+            with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the paths
+                run_dir, checkpoint = prepare(cfg, args.resume)
+            print(run_dir, *([checkpoint] if checkpoint else []), sep="\n")
+            return 0
 
         return train(cfg, args.resume)
     except ConfigError as err:

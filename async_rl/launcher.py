@@ -78,6 +78,13 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
     return run_dir
 
 
+def prepare(cfg: Config, resume: str | None = None) -> tuple[Path, Path | None]:
+    """What every launch does before starting the learner world (`async-rl train`, and
+    `async-rl prepare` for launch/learner.sh): (run directory, checkpoint to resume or None)."""
+    checkpoint = find_resume_checkpoint(cfg, resume) if resume else None
+    return prepare_run_dir(cfg, resuming=checkpoint is not None), checkpoint
+
+
 def _wait_for_hub(run_dir: Path, learner: subprocess.Popen, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     path = run_dir / "endpoints.json"
@@ -116,8 +123,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
 
 def train(cfg: Config, resume: str | None = None) -> int:
     """`resume`: a run directory to continue from its latest complete checkpoint."""
-    checkpoint = find_resume_checkpoint(cfg, resume) if resume else None
-    run_dir = prepare_run_dir(cfg, resuming=checkpoint is not None)
+    run_dir, checkpoint = prepare(cfg, resume)
     print(f"async-rl: run directory {run_dir}" + (f", resuming from {checkpoint.name}" if checkpoint else ""),
           file=sys.stderr)
     logs = run_dir / "logs"
