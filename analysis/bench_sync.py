@@ -1,0 +1,413 @@
+"""Weight-sync bandwidth: the bucketed broadcast of async_rl.weight_sync against one
+flat-buffer broadcast of the same bytes, over the same process group.
+
+    python analysis/bench_sync.py [--sizes-mb 10 50 200] [--bucket-mb 16] [--receivers 2]
+                                  [--reps 9] [--warmup 2] [--dtype float32] [--threads 1]
+
+Rank 0 is this process: a real `WeightBroadcaster` (its TCPStore, its background
+broadcast thread, its double buffers). The receivers are N spawned processes, each a
+real `WeightReceiver` holding its own copy of the parameters. Backend: gloo on CPU
+over loopback; NCCL with device tensors when CUDA is available (one GPU per rank
+needed: NCCL refuses two ranks on one device).
+
+The parameters are a synthetic list shaped like a scaled-down Qwen2 (embedding, then
+per layer q/k/v with biases, o, gate/up/down, two RMSNorm weights; final norm; tied
+head), sized to about each --sizes-mb.
+
+Modes, measured on the SAME group and the same processes, alternating within each
+repetition (the order rotates from one repetition to the next); warm-up rounds (the
+first also builds the group) are excluded and medians reported:
+
+  flat      one broadcast of a preallocated flat tensor holding all the bytes (the
+            reference: no copies, one collective)
+  bucketed  the real path, end to end: `publish()` copies the source tensors into the
+            pending buckets, the broadcast thread swaps and broadcasts every bucket,
+            each receiver's `receive()` broadcasts into fresh buckets and copies them
+            into its parameters; timed from the publish call until every receiver has
+            returned (and the broadcaster counted the sync complete)
+  nocopy    the same bucket plan broadcast from/into preallocated buckets, nothing
+            copied: isolates the per-bucket collective cost from the copies
+With --variants, three more, for the investigation: rank 0 is the real broadcaster
+(publish + thread) as in `bucketed`, the receivers differ from `WeightReceiver.receive`
+only in how they hold the bucket they receive into:
+  recv_reuse      one persistent buffer per dtype (no fresh allocation per bucket)
+  recv_pipelined  two persistent buffers; bucket i+1's broadcast is in flight while
+                  bucket i is copied into the parameters
+  recv_inplace    the parameters are views into persistent buckets (set up once), so
+                  the broadcast lands in them and nothing is copied (rank 0 still
+                  copies in publish)
+
+Each round is timed on rank 0 from just before its first action until every receiver
+has reported completion over a pipe (same overhead for every mode). Bandwidth =
+model bytes / seconds (payload each receiver gets, not summed over receivers).
+
+Output, one JSON object per line on stdout:
+  {"kind": "measurement", ...}  one per (size, bucket_mb, mode): median/min seconds,
+                                 GB/s, every repetition; bucketed also carries the
+                                 publish (copy-in) time, the broadcast thread's own
+                                 duration (`wire_s`) and the receivers' receive() time
+  {"kind": "comparison", ...}   one per (size, bucket_mb): bucketed_over_flat =
+                                 bucketed GB/s / flat GB/s (from the medians),
+                                 nocopy_over_flat, and the median of per-repetition
+                                 paired ratios
+  {"kind": "summary", ...}      last line: device ("cpu": gloo; "cuda": NCCL, a path
+                                 written but not yet run anywhere), backend, bucketed_over_flat (the
+                                 smallest over the comparisons) and meets_0_8
+A sanity check (checksums of the received parameters against the source, then zeroed)
+follows each receiving mode in the first warm-up round; a mismatch aborts the benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from async_rl import weight_sync  # noqa: E402
+from async_rl.weight_sync import WeightBroadcaster, WeightReceiver, _broadcast  # noqa: E402
+
+MODES = ("flat", "bucketed", "nocopy")
+# Investigation (--variants): the real broadcaster on rank 0, receivers that differ from
+# WeightReceiver.receive only as named, on the same group and bucket plan.
+VARIANTS = ("recv_reuse", "recv_pipelined", "recv_inplace")
+
+# The group the real code builds, captured so the flat/nocopy rounds can use the very
+# same group: weight_sync looks new_group up as a module global at call time.
+_groups: list[dist.ProcessGroup] = []
+_real_new_group = weight_sync.new_group
+
+
+def _capturing_new_group(*args, **kwargs):
+    group = _real_new_group(*args, **kwargs)
+    _groups.append(group)
+    return group
+
+
+weight_sync.new_group = _capturing_new_group
+
+
+def qwen2_like_specs(target_bytes: int, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """A scaled-down Qwen2 parameter list of about `target_bytes` (Qwen2-0.5B ratios:
+    intermediate ~5.4 x hidden, 2 KV heads of 64, embedding ~1/4 of the parameters)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    n = target_bytes // item
+    hidden = 256 if n < 6e6 else 512 if n < 25e6 else 768 if n < 80e6 else 1024
+    inter = int(round(hidden * 5.43 / 64)) * 64
+    kv = 128
+    per_layer = (hidden * hidden + hidden) + 2 * (kv * hidden + kv) + hidden * hidden + 3 * hidden * inter + 2 * hidden
+    vocab = max(1024, int(round(0.25 * n / hidden / 64)) * 64)
+    layers = max(1, int(round((n - vocab * hidden - hidden) / per_layer)))
+    specs = [("model.embed_tokens.weight", (vocab, hidden), dtype)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [(p + "self_attn.q_proj.weight", (hidden, hidden), dtype), (p + "self_attn.q_proj.bias", (hidden,), dtype),
+                  (p + "self_attn.k_proj.weight", (kv, hidden), dtype), (p + "self_attn.k_proj.bias", (kv,), dtype),
+                  (p + "self_attn.v_proj.weight", (kv, hidden), dtype), (p + "self_attn.v_proj.bias", (kv,), dtype),
+                  (p + "self_attn.o_proj.weight", (hidden, hidden), dtype),
+                  (p + "mlp.gate_proj.weight", (inter, hidden), dtype), (p + "mlp.up_proj.weight", (inter, hidden), dtype),
+                  (p + "mlp.down_proj.weight", (hidden, inter), dtype),
+                  (p + "input_layernorm.weight", (hidden,), dtype),
+                  (p + "post_attention_layernorm.weight", (hidden,), dtype)]
+    specs.append(("model.norm.weight", (hidden,), dtype))
+    return specs
+
+
+def numel_of(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def checksum(tensors) -> float:
+    return float(sum(t.double().sum().item() for t in tensors))
+
+
+def _broadcast_async(group, tensor):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return group.broadcast([tensor], opts)
+
+
+def copy_out(receiver, bucket, flat) -> None:
+    with torch.no_grad():
+        for e in bucket.entries:
+            receiver.params[e.name].copy_(flat[e.offset:e.offset + e.numel].view(e.shape))
+
+
+# -- receiver processes ---------------------------------------------------------------
+def worker(conn, rank: int, threads: int, device_name: str) -> None:
+    torch.set_num_threads(threads)
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    receiver = flat = buckets = reuse = pipe_bufs = None
+    try:
+        while True:
+            msg = conn.recv()
+            op = msg[0]
+            if op == "stop":  # skip the teardown of gloo's threads, which can abort at exit
+                conn.close()
+                os._exit(0)
+            if op == "setup":
+                _, specs, bucket_mb, backend, timeout_s = msg
+                _groups.clear()
+                params = [(n, torch.zeros(shape, dtype=dt, device=device)) for n, shape, dt in specs]
+                receiver = WeightReceiver(params, bucket_mb=bucket_mb, backend=backend, timeout_s=timeout_s)
+                flat = torch.empty(sum(numel_of(s) for _, s, _ in specs), dtype=specs[0][2], device=device)
+                buckets = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in receiver.plan]
+                reuse = {}
+                for b in receiver.plan:
+                    if b.dtype not in reuse or reuse[b.dtype].numel() < b.numel:
+                        reuse[b.dtype] = torch.empty(b.numel, dtype=b.dtype, device=device)
+                pipe_bufs = [{dt: torch.empty_like(t) for dt, t in reuse.items()} for _ in range(2)]
+                conn.send(("ok",))
+                continue
+            started = time.perf_counter()
+            if op == "bucketed":
+                _, epoch, world, host, port = msg
+                receiver.receive(epoch=epoch, rank=rank, world_size=world, store_host=host, store_port=port)
+            elif op == "flat":
+                _broadcast(_groups[-1], flat)
+            elif op == "nocopy":
+                for b in buckets:
+                    _broadcast(_groups[-1], b)
+            elif op == "recv_reuse":  # one persistent buffer per dtype instead of a fresh one per bucket
+                for bucket in receiver.plan:
+                    flat_b = reuse[bucket.dtype][:bucket.numel]
+                    _broadcast(_groups[-1], flat_b)
+                    copy_out(receiver, bucket, flat_b)
+            elif op == "recv_pipelined":  # two persistent buffers; bucket i+1 in flight while i is copied
+                plan = receiver.plan
+                bufs = pipe_bufs
+                work = [None] * len(plan)
+                issue = lambda i: _broadcast_async(_groups[-1], bufs[i % 2][plan[i].dtype][:plan[i].numel])
+                work[0] = issue(0)
+                for i, bucket in enumerate(plan):
+                    if i + 1 < len(plan):
+                        work[i + 1] = issue(i + 1)
+                    work[i].wait()
+                    copy_out(receiver, bucket, bufs[i % 2][bucket.dtype][:bucket.numel])
+            elif op == "recv_inplace":  # parameters stored as views of persistent buckets: nothing to copy
+                for b in buckets:
+                    _broadcast(_groups[-1], b)
+                for bucket, b in zip(receiver.plan, buckets):  # the checksum reads receiver.params:
+                    if not receiver.params[bucket.entries[0].name].data_ptr() == b.data_ptr():  # make them views once
+                        with torch.no_grad():
+                            for e in bucket.entries:
+                                receiver.params[e.name] = b[e.offset:e.offset + e.numel].view(e.shape)
+            elif op == "checksum":  # then zeroed, so that the next check sees only what the next mode wrote
+                conn.send(("checksum", checksum(receiver.params.values())))
+                for t in receiver.params.values():
+                    t.zero_()
+                continue
+            sync(device)
+            conn.send(("done", time.perf_counter() - started))
+    except EOFError:
+        return
+
+
+# -- rank 0 ---------------------------------------------------------------------------
+class Bench:
+    def __init__(self, receivers: int, threads: int, device: torch.device, backend: str, timeout_s: float):
+        self.device, self.backend, self.timeout_s = device, backend, timeout_s
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        ndev = torch.cuda.device_count() if device.type == "cuda" else 0
+        for rank in range(1, receivers + 1):
+            parent, child = ctx.Pipe()
+            dev = f"cuda:{rank % ndev}" if ndev else "cpu"
+            p = ctx.Process(target=worker, args=(child, rank, threads, dev), daemon=True)
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+    def tell(self, msg) -> None:
+        for c in self.conns:
+            c.send(msg)
+
+    def collect(self) -> list:
+        out = []
+        for c in self.conns:
+            if not c.poll(self.timeout_s):
+                raise TimeoutError("a receiver did not answer")
+            reply = c.recv()
+            out.append(reply[1] if len(reply) > 1 else None)
+        return out
+
+    def run_size(self, specs, bucket_mb: float, reps: int, warmup: int, variants: bool = False) -> list[dict]:
+        dev = self.device
+        g = torch.Generator().manual_seed(0)
+        source = [(n, torch.randn(shape, generator=g).to(dt).to(dev)) for n, shape, dt in specs]
+        total_numel = sum(numel_of(s) for _, s, _ in specs)
+        dtype = specs[0][2]
+        nbytes = total_numel * torch.empty((), dtype=dtype).element_size()
+        flat = torch.randn(total_numel, generator=g).to(dtype).to(dev)
+        _groups.clear()
+        bc = WeightBroadcaster(specs, bucket_mb=bucket_mb, host="127.0.0.1", backend=self.backend, device=dev,
+                               timeout_s=self.timeout_s)
+        nocopy = [torch.randn(b.numel, generator=g).to(b.dtype).to(dev) for b in bc.plan]
+        self.tell(("setup", specs, bucket_mb, self.backend, self.timeout_s))
+        self.collect()
+        world = len(self.conns) + 1
+        bc.set_members(range(1, world))
+        epoch = 1  # the first membership is the broadcaster's epoch 1
+        version = 0
+        modes = MODES + (VARIANTS if variants else ())
+        want = checksum(t for _, t in source)
+        times = {m: [] for m in modes}
+        extra = {"publish_s": [], "wire_s": [], "receive_s": []}
+        try:
+            for rep in range(warmup + reps):
+                order = modes[rep % len(modes):] + modes[:rep % len(modes)]
+                if rep == 0:
+                    order = ("bucketed",) + tuple(m for m in modes if m != "bucketed")  # builds the group
+                for mode in order:
+                    if mode == "bucketed" or mode in VARIANTS:
+                        version += 1
+                        self.tell(("bucketed", epoch, world, bc.host, bc.port) if mode == "bucketed" else (mode,))
+                        t0 = time.perf_counter()
+                        bc.publish(version, iter(source))
+                        t_pub = time.perf_counter() - t0
+                        recv_s = self.collect()
+                        while bc.completed < version:
+                            if time.perf_counter() - t0 > self.timeout_s:
+                                raise TimeoutError("the broadcaster never completed")
+                            time.sleep(0.0002)
+                        dt = time.perf_counter() - t0
+                        if rep >= warmup and mode == "bucketed":
+                            extra["publish_s"].append(t_pub)
+                            extra["wire_s"].append(bc.last_broadcast_s)
+                            extra["receive_s"].append(max(recv_s))
+                    else:
+                        self.tell((mode,))
+                        t0 = time.perf_counter()
+                        if mode == "flat":
+                            _broadcast(_groups[-1], flat)
+                        else:
+                            for b in nocopy:
+                                _broadcast(_groups[-1], b)
+                        sync(dev)
+                        self.collect()
+                        dt = time.perf_counter() - t0
+                    if rep >= warmup:
+                        times[mode].append(dt)
+                    elif rep == 0 and (mode == "bucketed" or mode in VARIANTS):
+                        self.tell(("checksum",))
+                        got = self.collect()
+                        if any(abs(x - want) > 1e-6 * max(1.0, abs(want)) for x in got):
+                            raise RuntimeError(f"{mode}: received parameters differ from the source: {got} vs {want}")
+        finally:
+            bc.close(wait_s=5)
+        common = {"device": dev.type, "backend": self.backend, "receivers": len(self.conns),
+                  "model_mb": round(nbytes / 2**20, 2), "tensors": len(specs), "dtype": str(dtype).replace("torch.", ""),
+                  "bucket_mb": bucket_mb, "buckets": len(bc.plan)}
+        lines = []
+        med = {}
+        for mode in modes:
+            ts = times[mode]
+            med[mode] = statistics.median(ts)
+            line = {"kind": "measurement", **common, "mode": mode, "reps": len(ts),
+                    "median_s": round(med[mode], 6), "min_s": round(min(ts), 6),
+                    "gbps": round(nbytes / med[mode] / 1e9, 4), "times_s": [round(t, 6) for t in ts]}
+            if mode == "bucketed":
+                line.update({k: round(statistics.median(v), 6) for k, v in
+                             (("publish_median_s", extra["publish_s"]), ("wire_median_s", extra["wire_s"]),
+                              ("receive_median_s", extra["receive_s"]))})
+            lines.append(line)
+        flat_gbps = nbytes / med["flat"] / 1e9
+        bucketed_gbps = nbytes / med["bucketed"] / 1e9
+        nocopy_gbps = nbytes / med["nocopy"] / 1e9
+        lines.append({"kind": "comparison", **common, "flat_gbps": round(flat_gbps, 4),
+                      "bucketed_gbps": round(bucketed_gbps, 4), "nocopy_gbps": round(nocopy_gbps, 4),
+                      "bucketed_over_flat": round(bucketed_gbps / flat_gbps, 4),
+                      "nocopy_over_flat": round(nocopy_gbps / flat_gbps, 4),
+                      "paired_bucketed_over_flat": round(statistics.median(
+                          f / b for f, b in zip(times["flat"], times["bucketed"])), 4),
+                      **{f"{v}_over_flat": round(med["flat"] / med[v], 4) for v in modes if v in VARIANTS}})
+        return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[10, 50, 200])
+    ap.add_argument("--bucket-mb", type=float, nargs="+", default=[16.0],
+                    help="one or more bucket sizes (a sweep); default the config default, 16")
+    ap.add_argument("--receivers", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="rounds of every mode left out; 2 so that both of publish's double buffers are touched")
+    ap.add_argument("--dtype", default=None, help="default float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--timeout-s", type=float, default=120.0)
+    ap.add_argument("--variants", action="store_true",
+                    help=f"also time receiver variants {', '.join(VARIANTS)} (investigation; see the docstring)")
+    ap.add_argument("--cpu", action="store_true", help="gloo on CPU even when CUDA is available")
+    args = ap.parse_args(argv)
+    if args.warmup < 1 or args.reps < 1:
+        ap.error("--warmup and --reps must be at least 1")
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda:0") if cuda else torch.device("cpu")
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(device)
+        if torch.cuda.device_count() < args.receivers + 1:
+            ap.error(f"NCCL needs one GPU per rank: {args.receivers + 1} ranks, "
+                     f"{torch.cuda.device_count()} GPU(s) (use fewer --receivers or --cpu)")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
+    torch.set_num_threads(args.threads)
+
+    bench = Bench(args.receivers, args.threads, device, backend, args.timeout_s)
+    comparisons = []
+    try:
+        for size in args.sizes_mb:
+            specs = qwen2_like_specs(int(size * 2**20), dtype)
+            for bucket_mb in args.bucket_mb:
+                for line in bench.run_size(specs, bucket_mb, args.reps, args.warmup, args.variants):
+                    print(json.dumps(line), flush=True)
+                    if line["kind"] == "comparison":
+                        comparisons.append(line)
+    finally:
+        bench.close()
+    worst = min(comparisons, key=lambda c: c["bucketed_over_flat"])
+    print(json.dumps({"kind": "summary", "device": device.type, "backend": backend,
+                      "cuda_available": torch.cuda.is_available(), "receivers": args.receivers,
+                      "threads": args.threads, "reps": args.reps, "warmup": args.warmup,
+                      "cpu_count": os.cpu_count(),
+                      "bucketed_over_flat": worst["bucketed_over_flat"],
+                      "worst_case": {"model_mb": worst["model_mb"], "bucket_mb": worst["bucket_mb"]},
+                      "by_size": [{k: c[k] for k in ("model_mb", "bucket_mb", "buckets", "flat_gbps", "bucketed_gbps",
+                                                      "nocopy_gbps", "bucketed_over_flat")} for c in comparisons],
+                      "meets_0_8": worst["bucketed_over_flat"] >= 0.8}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""analysis/bench_sync.py as a script: a tiny model, one receiver, a few repetitions.
+Checks the JSON it prints is complete and self-consistent, not how fast anything is."""
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, subprocess_env
+
+SCRIPT = ROOT / "analysis/bench_sync.py"
+
+
+def test_bench_sync_prints_consistent_json():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--sizes-mb", "2", "--receivers", "1", "--reps", "3",
+                           "--bucket-mb", "0.5", "--cpu", "--timeout-s", "30"],
+                          capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    measurements = [l for l in lines if l["kind"] == "measurement"]
+    comparisons = [l for l in lines if l["kind"] == "comparison"]
+    summary = lines[-1]
+    assert summary["kind"] == "summary" and summary["device"] == "cpu" and summary["backend"] == "gloo"
+
+    modes = {m["mode"]: m for m in measurements}
+    assert {"flat", "bucketed", "nocopy"} <= set(modes)
+    for m in measurements:
+        assert m["reps"] == 3 and len(m["times_s"]) == 3 and all(t > 0 for t in m["times_s"])
+        assert m["median_s"] > 0 and m["gbps"] > 0 and m["receivers"] == 1 and m["device"] == "cpu"
+        assert abs(m["gbps"] - m["model_mb"] * 2**20 / m["median_s"] / 1e9) <= 0.01 * m["gbps"] + 1e-3
+    assert modes["bucketed"]["buckets"] > 1  # 0.5 MB buckets: the model spans several
+    assert modes["bucketed"]["publish_median_s"] > 0 and modes["bucketed"]["wire_median_s"] > 0
+
+    (cmp,) = comparisons
+    assert cmp["flat_gbps"] == modes["flat"]["gbps"] and cmp["bucketed_gbps"] == modes["bucketed"]["gbps"]
+    assert abs(cmp["bucketed_over_flat"] - cmp["bucketed_gbps"] / cmp["flat_gbps"]) < 1e-3 * cmp["bucketed_over_flat"] + 1e-3
+    assert summary["bucketed_over_flat"] == cmp["bucketed_over_flat"]
+    assert summary["meets_0_8"] == (summary["bucketed_over_flat"] >= 0.8)
