@@ -26,6 +26,16 @@ def demo_model(tmp_path_factory):
                             min_mixed_fraction=0.0)
 
 
+def alive(pid: int) -> bool:
+    """Is `pid` a live process (not gone, not a zombie waiting to be reaped)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "\nState:\tZ" in status.read_text())
+
+
 def kill_tree(proc: subprocess.Popen) -> list[int]:
     """SIGKILL a process and everything below it, all at once (a machine failure; also
     the cleanup of a failed test: the launcher's children lead their own sessions, so

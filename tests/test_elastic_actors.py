@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, kill_tree, subprocess_env
-from test_end_to_end import _alive
+from conftest import ROOT, alive, kill_tree, subprocess_env
 
 MAX_STALENESS = 2  # configs/demo.yaml
 
@@ -144,4 +143,4 @@ def test_actors_killed_and_started_during_a_run(tmp_path, demo_model):
         assert math.isfinite(s["loss/total"]), s
     assert "removed: no heartbeat for 3s" in launcher_log
     time.sleep(0.5)
-    assert not [p for p in pids if _alive(p)], "orphan processes left behind"
+    assert not [p for p in pids if alive(p)], "orphan processes left behind"

@@ -1,12 +1,11 @@
 """`async-rl train` as real processes on loopback: 2 FSDP2 learner ranks + actors."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import kill_tree, read_metrics, subprocess_env, train
+from conftest import alive, kill_tree, read_metrics, subprocess_env, train
 
 from async_rl.metrics import EVAL_KEYS, STEP_KEYS
 
@@ -60,13 +59,6 @@ def test_synchronous_baseline_has_zero_staleness(tmp_path, demo_model):
     assert steps[-1]["actors/live"] == 2
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = Path(f"/proc/{pid}/status")
-    return not (status.exists() and "\nState:\tZ" in status.read_text())
 
 
 def test_ctrl_c_stops_every_process_after_a_checkpoint(tmp_path, demo_model):
@@ -100,7 +92,7 @@ def test_ctrl_c_stops_every_process_after_a_checkpoint(tmp_path, demo_model):
     assert list((run / "checkpoints").glob("step_*/coordinator.json"))
     assert (run / "final" / "config.json").exists()
     time.sleep(0.5)
-    assert not [p for p in pids if _alive(p)], "orphan processes left behind"
+    assert not [p for p in pids if alive(p)], "orphan processes left behind"
 
 
 def test_jsonl_task_with_reward_function_and_rloo(tmp_path, demo_model):

@@ -1,15 +1,11 @@
 """launch/learner.sh (torchrun with c10d rendezvous, 2 ranks, one node on loopback) and
 launch/actors.sh (1 actor) as real processes: a few steps, clean exits, no orphans."""
 import json
-import os
-import signal
 import socket
 import subprocess
 import time
-from pathlib import Path
 
-import pytest
-from conftest import ROOT, kill_tree, read_metrics, subprocess_env
+from conftest import ROOT, alive, kill_tree, read_metrics, subprocess_env
 
 
 def _free_port() -> int:
@@ -18,13 +14,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = Path(f"/proc/{pid}/status")
-    return not (status.exists() and "\nState:\tZ" in status.read_text())
 
 
 def _descendants(pid: int) -> set[int]:
@@ -78,7 +67,7 @@ def test_learner_and_actor_scripts_train_a_few_steps(tmp_path, demo_model):
     assert "(test-0)" in actor_out and "leaving" in actor_out
     time.sleep(0.5)
     assert len(seen) >= 4  # torchrun, 2 learner ranks, the actor
-    assert not [p for p in seen if _alive(p)], "orphan processes left behind"
+    assert not [p for p in seen if alive(p)], "orphan processes left behind"
 
 
 def test_learner_script_propagates_a_config_error(tmp_path):
