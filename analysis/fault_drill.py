@@ -73,8 +73,22 @@ def wait_for(what: str, condition, proc: subprocess.Popen, timeout_s: float) -> 
 
 
 def last_step(run: Path) -> int:
-    steps, _ = read_lines(run)
-    return steps[-1]["step"] if steps else 0
+    """The newest step line's step. Polled often while the run trains, so it reads only
+    the end of metrics.jsonl: parsing the whole file would load the machine under test."""
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - 65536))
+        tail = f.read().decode(errors="replace").splitlines()
+    for line in reversed(tail):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # the partial first line of the tail, or the line being written
+        if "loss/total" in record:
+            return record["step"]
+    return 0
 
 
 def start_run(args, name: str, *overrides: str, resume: bool = False) -> tuple[subprocess.Popen, Path]:

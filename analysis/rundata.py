@@ -50,6 +50,15 @@ class Run:
         return dict(sorted(counts.items()))
 
 
+def add_run_arguments(parser) -> None:
+    """The arguments every multi-run analysis script takes: RUN [RUN ...], --out, --smooth."""
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory of the comparison figure (default: the first run's analysis/)")
+    parser.add_argument("--smooth", type=int, default=None,
+                        help="rolling-mean window in steps for the curves (default: steps / 50, at least 1)")
+
+
 def labels(runs: list[Run]) -> list[str]:
     """Run names for legends and tables; the parent directory is added where names collide."""
     names = [r.name for r in runs]

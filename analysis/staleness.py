@@ -30,7 +30,7 @@ import math
 import sys
 from pathlib import Path
 
-from rundata import Run, labels, load_run, pyplot, rolling, save_figure, smoothing_window
+from rundata import Run, add_run_arguments, labels, load_run, pyplot, rolling, save_figure, smoothing_window
 
 PLOTS = ("staleness_hist.png", "staleness_time.png", "is_ess.png")
 COMPARE = "staleness_compare.png"
@@ -193,11 +193,7 @@ def plot_compare(runs: list[Run], path: Path, smooth: int | None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="directory of the comparison figure (default: the first run's analysis/)")
-    parser.add_argument("--smooth", type=int, default=None,
-                        help="rolling-mean window in steps for the curves (default: steps / 50, at least 1)")
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     runs = [load_run(p) for p in args.runs]
     for run in runs:

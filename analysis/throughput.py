@@ -45,7 +45,7 @@ import re
 import sys
 from pathlib import Path
 
-from rundata import Run, Span, labels, load_run, pyplot, rolling, save_figure, smoothing_window
+from rundata import Run, add_run_arguments, Span, labels, load_run, pyplot, rolling, save_figure, smoothing_window
 
 COLUMNS = ("generate", "score", "push", "train-step", "eval", "checkpoint", "sync", "wait")
 WAITS = {"learner": "wait-for-data", "actor": "wait-for-admission"}
@@ -359,11 +359,7 @@ def plot_compare(runs: list[Run], path: Path, smooth: int | None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="directory of the comparison figure (default: the first run's analysis/)")
-    parser.add_argument("--smooth", type=int, default=None,
-                        help="rolling-mean window in steps for the curves (default: steps / 50, at least 1)")
+    add_run_arguments(parser)
     parser.add_argument("--include-startup", action="store_true",
                         help="time shares: count the learner's time before its first train-step")
     args = parser.parse_args(argv)
