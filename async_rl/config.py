@@ -40,7 +40,7 @@ class TaskConfig(_Section):
 
 class ActorsConfig(_Section):
     count: int = Field(1, ge=1, le=256, description="Number of actor processes `async-rl train` spawns.")
-    engine: Literal["torch", "vllm"] = Field("torch", description="Generation engine.")
+    engine: Literal["torch", "vllm"] = Field("torch", description="Generation engine: `torch` (any device) or `vllm` (CUDA only, `pip install 'async-rl[vllm]'`, vLLM >= 0.16; weights arrive through vLLM's NCCL weight-transfer API, between generation batches).")
     groups_per_request: int = Field(8, ge=1, description="Prompt groups an actor asks for (and generates as one batch) per request.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature; recorded log-probs are under the tempered distribution.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
@@ -54,6 +54,11 @@ class LearnerConfig(_Section):
     ranks: int = Field(2, ge=1, le=64, description="Learner processes (torchrun --nproc-per-node) sharing the model with FSDP2.")
     threads: int = Field(1, ge=1, description="torch intra-op threads per learner rank (CPU).")
     micro_batch_size: int = Field(256, ge=1, description="Sequences per forward/backward on one rank (gradient accumulation beyond).")
+    micro_batch_tokens: int | None = Field(None, ge=1, description="Token budget per micro-batch instead of micro_batch_size: whole groups are added while they fit (real tokens with learner.pack, rows x longest row without); null = use micro_batch_size.")
+    pack: bool = Field(True, description="Padding-free micro-batches: sequences laid end to end with per-sequence position_ids (block-diagonal causal attention), only response tokens scored; false = right-padded rows. Same results; ~2x faster steps when lengths vary (CPU, analysis/bench_learner.py). A model that fails the learner's one-time packed-vs-padded check trains padded, with a warning.")
+    pack_row_tokens: int | None = Field(None, ge=1, description="learner.pack: packed row length (null = the micro-batch's longest sequence, so sdpa's masked attention never costs more than padded; flash-attention packs one row).")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="FSDP2 mixed precision: bf16 = bf16 compute (params all-gathered in bf16), fp32 gradient reduction, fp32 master weights and optimizer state; log-softmax and losses always fp32.")
+    activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in backward (non-reentrant torch.utils.checkpoint via transformers), trading ~1 extra forward for activation memory.")
     timeout_s: float = Field(600.0, gt=0.0, description="Timeout of learner collectives and of waiting for experience.")
 
 
@@ -108,8 +113,9 @@ class TrainConfig(_Section):
 class SyncConfig(_Section):
     every: int = Field(1, ge=1, description="Broadcast weights to actors every this many learner steps.")
     bucket_mb: float = Field(16.0, gt=0.0, description="Flat bucket size for the weight broadcast.")
-    in_flight: bool = Field(False, description="Apply new weights between decode steps instead of between batches (not yet supported).")
+    in_flight: bool = Field(False, description="Also apply new weights between decode steps (torch engine), not only between batches: unfinished responses continue on the new weights (KV cache kept), each token records its version, a sample's version is its oldest token's.")
     timeout_s: float = Field(60.0, gt=0.0, description="Timeout of the broadcast group's rendezvous and collectives.")
+    transport: Literal["auto", "gloo", "nccl", "cuda_ipc"] = Field("auto", description="How weights reach each actor: `auto` = gloo on CPU; on CUDA, `cuda_ipc` (the actor copies from the learner's bucket memory through CUDA IPC handles) when the actor runs on the learner's own physical GPU (same host, same GPU UUID; NCCL refuses two ranks on one device), else `nccl`. `nccl` and `cuda_ipc` need model.device=cuda.")
 
 
 class EvalConfig(_Section):
@@ -131,6 +137,7 @@ class TransportConfig(_Section):
     experience_port: int = Field(0, ge=0, le=65535, description="Experience PULL port (0 = ephemeral).")
     hwm: int = Field(64, ge=1, description="ZeroMQ high-water mark (messages) on experience sockets: actors block when the learner stalls.")
     timeout_s: float = Field(30.0, gt=0.0, description="Send/receive timeout for every socket operation.")
+    store_port: int = Field(0, ge=0, le=65535, description="Port of the weight-sync TCPStore that learner rank 0 hosts on transport.host (0 = ephemeral); fix it to open a firewall for multi-node actors.")
 
 
 class SecurityConfig(_Section):
@@ -175,10 +182,13 @@ class Config(_Section):
             raise ValueError(f"{key}: required when task.name=jsonl")
         if self.security.curve and not self.security.keys_dir:
             raise ValueError("security.keys_dir: required when security.curve=true (make keys with `async-rl keys DIR`)")
-        if self.sync.in_flight:
-            raise ValueError("sync.in_flight: in-flight weight updates are not supported yet; use false")
-        if self.actors.engine == "vllm":
-            raise ValueError("actors.engine: the vllm engine is not available in this build; use torch")
+        if self.sync.transport in ("nccl", "cuda_ipc") and self.model.device == "cpu":
+            raise ValueError(f"sync.transport: {self.sync.transport} needs model.device=cuda (CPU weights go over gloo)")
+        if self.sync.in_flight and self.actors.engine != "torch":
+            raise ValueError(f"sync.in_flight: needs actors.engine=torch (the {self.actors.engine} engine has no step hook)")
+        if self.actors.engine == "vllm" and self.model.device == "cpu":
+            raise ValueError("model.device: cpu cannot run actors.engine=vllm (vLLM needs a CUDA GPU); "
+                             "use model.device=cuda or actors.engine=torch")
         return self
 
 

@@ -36,7 +36,9 @@ GENERATION_ROWS = 4
 # "Custom Scalars" tab: category -> chart -> ["Multiline", tag regexes].
 CUSTOM_SCALARS = {
     "staleness": {
-        "staleness (versions)": ["Multiline", [r"^staleness/mean$", r"^staleness/max$"]],
+        "staleness (versions)": ["Multiline", [r"^staleness/mean$", r"^staleness/max$",
+                                               r"^actors/token_staleness_mean$"]],
+        "samples spanning versions (sync.in_flight)": ["Multiline", [r"^actors/mixed_version_frac$"]],
         "samples per staleness value": ["Multiline", [r"^staleness/count_\d+$"]],
         "dropped as too stale": ["Multiline", [r"^staleness/dropped$"]],
     },
@@ -64,6 +66,32 @@ def batch_histograms(groups: Sequence[Any], staleness: Sequence[int]) -> dict[st
     return {"staleness/per_sample": np.repeat(np.asarray(staleness, dtype=np.int64), per_group),
             "train/response_len": np.concatenate([g.response_lengths for g in groups]),
             "train/reward": np.concatenate([g.rewards for g in groups])}
+
+
+def version_mix(groups: Sequence[Any], learner_version: int) -> dict[str, float]:
+    """What in-flight weight updates (sync.in_flight) did to one batch of ExperienceGroups:
+    the fraction of samples whose tokens came from more than one policy version, and the
+    staleness of each sample's tokens (each counted from its own version), averaged
+    within the sample, then over samples. A sample's staleness (`staleness/*`) counts
+    from its oldest token, so `staleness/mean` is never below the token figure, and is
+    above it whenever some sample spans versions."""
+    mixed = samples = scored = 0
+    token_staleness = 0.0
+    for g in groups:
+        versions, lengths = np.asarray(g.token_versions, dtype=np.int64), np.asarray(g.response_lengths)
+        samples += len(lengths)
+        valid = np.arange(versions.shape[1])[None, :] < lengths[:, None]
+        rows = lengths > 0  # a response without tokens has no token staleness
+        if not rows.any():
+            continue
+        newest = np.where(valid, versions, np.iinfo(np.int64).min).max(axis=1)
+        oldest = np.where(valid, versions, np.iinfo(np.int64).max).min(axis=1)
+        mixed += int(((newest > oldest) & rows).sum())
+        per_sample = np.where(valid, learner_version - versions, 0).sum(axis=1)[rows] / lengths[rows]
+        token_staleness += float(per_sample.sum())
+        scored += int(rows.sum())
+    return {"actors/mixed_version_frac": mixed / max(1, samples),
+            "actors/token_staleness_mean": token_staleness / max(1, scored)}
 
 
 def _cell(text: str) -> str:

@@ -11,6 +11,8 @@
 FSDP2 averages gradients over ranks, so each micro-batch loss is scaled by its share
 of the *global* minibatch normalization times the world size: the result equals a
 single process training on the whole batch (tests/test_fsdp.py checks it to 1e-6).
+Micro-batches are whole groups, planned by packing.micro_batches; with `learner.pack`
+the policy/reference forwards are padding-free (packing.py), the critic's stays padded.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import algorithms
+from . import algorithms, packing
 from .batching import Batch
 from .config import Config
 
@@ -36,17 +38,27 @@ class Models:
     critic_optimizer: torch.optim.Optimizer | None = None
 
 
-def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False, entropy_grad: bool = False):
+def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False, entropy_grad: bool = False,
+                 pack: bool = False, row_tokens: int | None = None):
     """Log-probs `[N, L-1]` of the batch's next tokens under `model`, at the actors'
     sampling temperature (their recorded log-probs are tempered too); optionally the
     per-token entropy of the same distribution, with a graph only when it is a loss
-    term (on a large vocabulary that graph is as big as the logits)."""
-    logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits[:, :-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    term (on a large vocabulary that graph is as big as the logits). `pack`: one
+    padding-free forward scoring only response tokens (0 elsewhere; see packing.py).
+    The softmax math is float32 whatever the model's compute dtype (bf16 logits
+    would round log-probs to ~3 significant digits, and importance ratios with them)."""
+    if pack:
+        logits, layout = packing.packed_logits(model, batch, row_tokens)
+        targets, place = layout.targets, lambda x: packing.scatter_scored(x, layout)
+    else:
+        logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits[:, :-1]
+        targets, place = batch.tokens[:, 1:], lambda x: x
+    logits = logits.float() / temperature
+    logp = place(torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1))
     if not entropy:
         return logp, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        return logp, algorithms.token_entropy(logits)
+        return logp, place(algorithms.token_entropy(logits))
 
 
 def forward_values(critic, batch: Batch) -> torch.Tensor:
@@ -54,8 +66,8 @@ def forward_values(critic, batch: Batch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _no_grad_pass(fn, batch: Batch, rows: int) -> torch.Tensor:
-    return torch.cat([fn(batch.rows(s, s + rows)) for s in range(0, batch.tokens.shape[0], rows)])
+def _no_grad_pass(fn, batch: Batch, micros: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([fn(batch.rows(start, stop)) for start, stop in micros])
 
 
 def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +120,8 @@ def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, retur
     m = micro.loss_mask
     mb = m.bool()
     logp, entropy = forward_logp(models.policy, micro, cfg.actors.temperature, entropy=True,
-                                 entropy_grad=t.entropy_coef > 0)
+                                 entropy_grad=t.entropy_coef > 0, pack=cfg.learner.pack,
+                                 row_tokens=cfg.learner.pack_row_tokens)
     if prox is None:  # one optimizer step per batch: the proximal policy is the current one
         prox = logp.detach()
     policy_d, agg_d, tokens = denom.tolist()
@@ -206,20 +219,26 @@ def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch
     """One learner step on this rank's rows (whole groups); returns global diagnostics.
     `is_weights`, if given, receives this rank's per-token behavior->proximal importance
     weights (uncapped), for the TensorBoard histogram: local tokens only, no collective."""
-    t = cfg.train
+    t, lc = cfg.train, cfg.learner
     models.policy.train()
     N = local.tokens.shape[0]
-    rows_per_micro = max(1, cfg.learner.micro_batch_size // t.group_size) * t.group_size
+    rows_per_micro = max(1, lc.micro_batch_size // t.group_size) * t.group_size
     rows_per_mb = N // t.minibatches
-    temperature = cfg.actors.temperature
+    # Per minibatch, its micro-batches (row ranges of whole groups).
+    plan = [packing.micro_batches(local.attention, k * rows_per_mb, (k + 1) * rows_per_mb, t.group_size,
+                                  rows_per_micro, lc.micro_batch_tokens, lc.pack) for k in range(t.minibatches)]
+    micros = [m for mb in plan for m in mb]
+
+    def logp_of(model):
+        return lambda b: forward_logp(model, b, cfg.actors.temperature, pack=lc.pack, row_tokens=lc.pack_row_tokens)[0]
 
     prox = ref = values = None
     if t.minibatches > 1:
-        prox = _no_grad_pass(lambda b: forward_logp(models.policy, b, temperature)[0], local, rows_per_micro)
+        prox = _no_grad_pass(logp_of(models.policy), local, micros)
     if models.reference is not None:
-        ref = _no_grad_pass(lambda b: forward_logp(models.reference, b, temperature)[0], local, rows_per_micro)
+        ref = _no_grad_pass(logp_of(models.reference), local, micros)
     if models.critic is not None:
-        values = _no_grad_pass(lambda b: forward_values(models.critic, b), local, rows_per_micro)
+        values = _no_grad_pass(lambda b: forward_values(models.critic, b), local, micros)
     adv, returns, rewards = compute_advantages(cfg, local, ref, values)
     local.rewards = rewards  # OPMD regresses on the (possibly KL-penalized) rewards
     denominators = _denominators(cfg, local, rows_per_mb)
@@ -227,8 +246,7 @@ def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch
     acc: dict[str, float] = collections.defaultdict(float)
     for k in range(t.minibatches):
         local_loss = 0.0  # this minibatch only: one bad minibatch must not condemn the next
-        for start in range(k * rows_per_mb, (k + 1) * rows_per_mb, rows_per_micro):
-            stop = min(start + rows_per_micro, (k + 1) * rows_per_mb)
+        for start, stop in plan[k]:
             rows = slice(start, stop)
             local_loss += _micro_loss(cfg, models, local.rows(start, stop), adv[rows],
                                       None if prox is None else prox[rows], None if ref is None else ref[rows],

@@ -7,12 +7,12 @@ import os
 import signal
 import sys
 
-from async_rl import weight_sync
 from async_rl.cli import main
+from async_rl.weight_sync import receiver as weight_receiver
 
 die_in_sync = int(sys.argv.pop(1))
 syncs = buckets = 0
-receive, broadcast = weight_sync.WeightReceiver.receive, weight_sync._broadcast
+receive, broadcast = weight_receiver.WeightReceiver.receive, weight_receiver.broadcast
 
 
 def counting_receive(self, **kwargs):
@@ -21,7 +21,7 @@ def counting_receive(self, **kwargs):
     return receive(self, **kwargs)
 
 
-def dying_broadcast(group, tensor):
+def dying_broadcast(group, tensor):  # the receiver's per-bucket broadcast on CPU
     global buckets
     broadcast(group, tensor)
     buckets += 1
@@ -29,6 +29,6 @@ def dying_broadcast(group, tensor):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-weight_sync.WeightReceiver.receive = counting_receive
-weight_sync._broadcast = dying_broadcast
+weight_receiver.WeightReceiver.receive = counting_receive
+weight_receiver.broadcast = dying_broadcast
 sys.exit(main(["actor", *sys.argv[1:]]))

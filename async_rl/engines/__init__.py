@@ -17,5 +17,9 @@ def make_engine(name: str, **kw: Any) -> GenerationEngine:
 
         return TorchEngine(**kw)
     if name == "vllm":
-        raise RuntimeError("vLLM engine not implemented in this build")
+        from async_rl.engines.vllm_engine import VLLMEngine
+        from async_rl.engines.vllm_weights import require_vllm
+
+        require_vllm()  # first: a missing or old vLLM is one line (VLLMUnavailable), whatever the arguments
+        return VLLMEngine(**kw)
     raise ValueError(f"unknown engine {name!r}; expected 'torch' or 'vllm'")

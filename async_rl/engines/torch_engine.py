@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from typing import Callable
 
 import torch
 from torch import nn
@@ -61,6 +62,9 @@ class TorchEngine:
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.model.requires_grad_(False)  # weights only change through in-place sync
         self.version = 0
+        # Called between decode steps when set (sync.in_flight: the actor loads new
+        # weights there and bumps `version`); None keeps the loop free of any hub traffic.
+        self.step_hook: Callable[[], None] | None = None
 
         # Unset ids fall back to the model config (getattr on None gives None).
         config = getattr(self.model, "config", None)
@@ -92,7 +96,19 @@ class TorchEngine:
         return list(self.model.named_parameters())
 
     def _between_steps(self) -> None:
-        """Safe point between decode steps: in-flight weight updates will land here."""
+        """Safe point between decode steps, where in-flight weight updates land.
+
+        Nothing of the model is in use here, so the hook may overwrite parameters in
+        place. Unfinished responses then continue on the new weights with the KV cache
+        as it is, like PipelineRL: the keys/values of earlier tokens stay those the old
+        weights computed (recomputing them would cost a prefill per update). The
+        log-probs recorded from then on are still those of the distribution actually
+        sampled from (new weights over that cache), which is what the learner's
+        importance ratios need, and `versions` records the new version per token.
+        An exception from the hook aborts the whole generate call.
+        """
+        if self.step_hook is not None:
+            self.step_hook()
 
     @torch.no_grad()
     def generate(
@@ -137,6 +153,8 @@ class TorchEngine:
 
         for t in range(max_new_tokens):
             if t > 0:
+                # Never before the first token: a response's oldest token, hence its
+                # version, stays that of the weights its prompt was admitted for.
                 self._between_steps()
                 logits = self._forward(tokens[:, t - 1 : t], full_mask[:, : P + t], next_pos, cache)
                 next_pos = next_pos + 1

@@ -1,8 +1,10 @@
 """Actor: a rollout process with one generation engine.
 
 Loop: ask the hub for work -> (join a weight sync | generate G responses per granted
-prompt, score them, push one message per group | wait). New weights are applied only
-here, between generation batches, so every token of a batch has one version.
+prompt, score them, push one message per group | wait). New weights are applied
+here, between generation batches, so every token of a batch has one version; with
+`sync.in_flight=true` also between decode steps (`InFlight`), so a response may span
+versions: each token records its own, the group's version is its oldest token's.
 A heartbeat thread with its own socket keeps the actor alive in the registry while a
 long batch runs, and ships the actor's timeline spans (generate, score, push,
 wait-for-admission, sync; see tracing.py) to the hub with each heartbeat.
@@ -29,6 +31,11 @@ from ..weight_sync import SyncAbandoned, WeightReceiver, describe
 from ..runtime import load_tokenizer, make_task_from_config, quiet_libraries, resolve_device, sync_backend
 
 log = logging.getLogger("async_rl.actor")
+
+# sync.in_flight: generation pauses between decode steps to ask the hub for a waiting
+# broadcast at most this often. A loopback round trip costs ~0.2 ms, so polling stays
+# below 1% of generation time while new weights land within ~50 ms of their broadcast.
+IN_FLIGHT_POLL_S = 0.05
 
 
 class HubClient:
@@ -119,8 +126,10 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         engine = make_engine(cfg.actors.engine, model_or_path=cfg.model.path, device=device)
         tokenizer = load_tokenizer(cfg.model.path)
         task = make_task_from_config(cfg)
-        receiver = WeightReceiver(engine.parameters_for_sync(), bucket_mb=cfg.sync.bucket_mb,
-                                  backend=sync_backend(device), timeout_s=cfg.sync.timeout_s)
+        sync_args = dict(bucket_mb=cfg.sync.bucket_mb, backend=sync_backend(device), timeout_s=cfg.sync.timeout_s)
+        make_receiver = getattr(engine, "weight_receiver", None)  # engines whose weights live elsewhere (vLLM)
+        receiver = (make_receiver(**sync_args) if make_receiver is not None
+                    else WeightReceiver(engine.parameters_for_sync(), **sync_args))
         push = ctx.socket(zmq.PUSH)
         if keys_dir:
             secure_client(push, keys_dir)
@@ -129,8 +138,10 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         push.setsockopt(zmq.SNDTIMEO, int(cfg.transport.timeout_s * 1000))
         push.connect(welcome.experience_addr)
         generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + actor_id)
+        syncer = Syncer(hub, receiver, engine, state, spans)
+        if cfg.sync.in_flight:
+            engine.step_hook = InFlight(syncer, timeout_s=cfg.transport.timeout_s)
         log.info("actor %d ready (%s) on %s", actor_id, name, device)
-        failed_epoch = -1  # the last epoch whose broadcast broke off here
         while True:
             # Parameters left half-updated by a broken-off broadcast must not generate:
             # ask for no prompts (the hub answers Wait or SyncOrder) until a sync completes.
@@ -150,13 +161,15 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
                 log.info("actor %d leaving: %s", actor_id, reply.reason)
                 return 0
             if isinstance(reply, SyncOrder):
-                if reply.epoch <= failed_epoch:
-                    # Rank 0 has failed or abandoned that epoch too; the hub has not seen it yet.
+                if not syncer.follow(reply):
                     time.sleep(0.05)
-                elif not _sync(hub, receiver, engine, reply, state, spans):
-                    failed_epoch = reply.epoch
             elif isinstance(reply, WorkGrant):
-                messages = rollout(engine, tokenizer, task, cfg, reply, actor_id, generator, spans)
+                try:
+                    messages = rollout(engine, tokenizer, task, cfg, reply, actor_id, generator, spans)
+                except LeaveNow as leave:  # only from the in-flight hook, in the middle of generation
+                    log.log(logging.INFO if leave.code == 0 else logging.ERROR, "actor %d leaving: %s", actor_id,
+                            leave.why)
+                    return leave.code
                 with spans.span("push", groups=len(messages)):
                     for msg in messages:
                         push.send_multipart(msg, copy=False)
@@ -176,6 +189,79 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             push.close()
         hub.sock.close(linger=1000)  # lets the goodbye out
         ctx.term()
+
+
+class Syncer:
+    """Carries out the hub's sync orders and remembers the last epoch whose broadcast
+    broke off here (rank 0 fails or abandons that epoch too, so joining it again would
+    only wait for a group that never forms)."""
+
+    def __init__(self, hub: HubClient, receiver: WeightReceiver, engine, state: dict, spans: SpanRecorder):
+        self.hub, self.receiver, self.engine, self.state, self.spans = hub, receiver, engine, state, spans
+        self.failed_epoch = -1
+        self.completed = 0  # syncs completed
+
+    def follow(self, order: SyncOrder) -> bool:
+        """Join the broadcast `order` names; False if the epoch had already failed here
+        (the hub has not seen it yet), without trying again."""
+        if order.epoch <= self.failed_epoch:
+            return False
+        if _sync(self.hub, self.receiver, self.engine, order, self.state, self.spans):
+            self.completed += 1
+        else:
+            self.failed_epoch = order.epoch
+        return True
+
+
+class LeaveNow(Exception):
+    """From the in-flight hook, out of the middle of generation: the hub said goodbye
+    (exit code 0) or stopped answering (1)."""
+
+    def __init__(self, code: int, why: str):
+        super().__init__(why)
+        self.code, self.why = code, why
+
+
+class InFlight:
+    """The engine's step hook with sync.in_flight: between two decode steps, at most every
+    `poll_s`, ask the hub for no prompts (`WorkRequest(max_groups=0)`; the hub answers a
+    request during an outstanding grant like any other: `SyncOrder` or `Wait`) and join a
+    waiting broadcast at once, so unfinished responses continue on the new weights.
+
+    A broadcast that breaks off half-way leaves the parameters half-updated
+    (`receiver.intact` False): no further token may come from them. The generation then
+    waits here, asking the hub like the main loop does, until a broadcast completes,
+    and continues on complete weights. Its tokens so far came from intact weights before
+    the sync began, so nothing is discarded, and the grant stays this actor's: no prompt
+    is lost or generated twice, and if the actor dies meanwhile the hub re-issues it.
+    Every member of the broken group is in the same state, so handing the prompts back
+    would not get them generated any sooner.
+    """
+
+    def __init__(self, syncer: Syncer, *, timeout_s: float, poll_s: float = IN_FLIGHT_POLL_S):
+        self.syncer, self.timeout_s, self.poll_s = syncer, timeout_s, poll_s
+        self.updates = 0  # in-flight syncs completed (weights changed mid-generation)
+        self._next_poll = 0.0
+
+    def __call__(self) -> None:
+        if time.monotonic() < self._next_poll:
+            return
+        s = self.syncer
+        while True:
+            try:
+                reply = s.hub.request(WorkRequest(actor_id=s.state["actor_id"], version=s.engine.version, max_groups=0))
+            except TimeoutError:
+                raise LeaveNow(1, f"the hub did not answer for {self.timeout_s:.0f}s") from None
+            if isinstance(reply, Goodbye):
+                raise LeaveNow(0, reply.reason)
+            if isinstance(reply, SyncOrder):
+                completed = s.completed
+                s.follow(reply)
+                self.updates += s.completed - completed
+            if s.receiver.intact:  # old or new weights, but one whole version: decode on
+                break
+            time.sleep(reply.seconds if isinstance(reply, Wait) else 0.05)
+        self._next_poll = time.monotonic() + self.poll_s
 
 
 def _sync(hub: HubClient, receiver: WeightReceiver, engine, order: SyncOrder, state: dict,

@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from ..batching import Batch, build_batch, order_for_ranks, scatter_batch
 from ..checkpoint import BUFFER_FILE, load_checkpoint, read_groups, save_checkpoint, save_hf_model, write_groups
@@ -35,28 +33,12 @@ from ..config import Config, load_config, to_yaml
 from ..evaluation import evaluate
 from ..runtime import (EXIT_NONFINITE, load_tokenizer, make_task_from_config, quiet_libraries, resolve_device,
                        sync_backend, write_status)
-from ..metrics import MetricsLogger, batch_histograms, generations_table
+from ..metrics import MetricsLogger, batch_histograms, generations_table, version_mix
 from ..tracing import SpanRecorder, TraceWriter
-from ..train_step import Models, train_step
+from ..models.sharding import build_models, full_parameters
+from ..train_step import train_step
 
 log = logging.getLogger("async_rl.learner")
-
-
-def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """FSDP2: one unit per decoder layer (HF names them in `_no_split_modules`), plus the root."""
-    layer_types = set(getattr(model, "_no_split_modules", None) or ())
-    for module in model.modules():
-        if type(module).__name__ in layer_types:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def full_parameters(model: torch.nn.Module):
-    """Yield (name, full tensor) one parameter at a time; a collective on every rank."""
-    for name, param in model.named_parameters():
-        full = param.full_tensor() if isinstance(param, DTensor) else param
-        yield name, full.detach()
 
 
 def lr_factor(cfg: Config, step: int) -> float:
@@ -69,27 +51,6 @@ def lr_factor(cfg: Config, step: int) -> float:
     progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_schedule == "cosine" else 1 - progress
     return t.lr_min_ratio + (1 - t.lr_min_ratio) * shape
-
-
-def build_models(cfg: Config, device: torch.device, mesh) -> Models:
-    """Policy (+ frozen reference for KL, + critic for GAE), each sharded with FSDP2."""
-    from transformers import AutoModelForCausalLM
-
-    def load_policy():
-        return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).to(device)
-
-    policy = shard_model(load_policy(), mesh)
-    models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
-                                              weight_decay=cfg.train.weight_decay))
-    if cfg.train.kl.coef > 0:
-        models.reference = shard_model(load_policy().requires_grad_(False).eval(), mesh)
-    if cfg.train.advantage == "gae":
-        from ..models.critic import ValueModel
-
-        models.critic = shard_model(ValueModel(cfg.model.path).to(device), mesh)
-        models.critic_optimizer = torch.optim.AdamW(models.critic.parameters(), lr=cfg.train.critic.lr,
-                                                    weight_decay=cfg.train.weight_decay)
-    return models
 
 
 class Learner:
@@ -144,7 +105,8 @@ class Learner:
         self.eval_engine = TorchEngine(cfg.model.path, device=self.device)  # full copy for eval and export
         self.broadcaster = WeightBroadcaster(self.specs, bucket_mb=cfg.sync.bucket_mb, host=cfg.transport.host,
                                              backend=sync_backend(self.device), device=self.device,
-                                             timeout_s=cfg.sync.timeout_s)
+                                             timeout_s=cfg.sync.timeout_s, transport=cfg.sync.transport,
+                                             port=cfg.transport.store_port, engine=cfg.actors.engine)
         # The run's timeline (trace.json): this thread's spans, and the actors' via the coordinator.
         self.trace = TraceWriter(self.run_dir / "trace.json", resume=resume)
         self.spans = self.trace.learner
@@ -178,6 +140,7 @@ class Learner:
                         "actors/gen_seconds_per_group": sum(g.gen_seconds for g in taken.groups) / len(taken.groups)}
                 for k in sorted(set(staleness)):  # the per-step staleness histogram, in samples
                     info[f"staleness/count_{k}"] = staleness.count(k) * self.cfg.train.group_size
+                info.update(version_mix(taken.groups, self.version))  # in-flight updates: actors/mixed_version_frac, ...
                 info["histograms"] = batch_histograms(taken.groups, staleness)
                 text_every = cfg.metrics.text_every
                 if text_every and (self.version + 1) % text_every == 0:

@@ -14,7 +14,8 @@ from async_rl.batching import build_batch, order_for_ranks, scatter_batch
 from async_rl.config import build_config
 from async_rl.models.critic import ValueModel
 from async_rl.runtime import exit_now
-from async_rl.roles.learner import full_parameters, shard_model, shutdown_world
+from async_rl.models.sharding import full_parameters, shard_model
+from async_rl.roles.learner import shutdown_world
 from async_rl.train_step import Models, train_step
 
 # Named variants of the train section; each exercises a different cross-rank path.

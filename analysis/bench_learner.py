@@ -1,0 +1,278 @@
+"""Learner throughput and MFU under FSDP2, and torch-engine generation throughput.
+
+    python analysis/bench_learner.py [--tiny] [--ranks 1] [--steps 3] [--warmup 1]
+        [--variants padded,packed,padded+ac,packed+ac] [--precision auto|fp32|bf16]
+        [--peak-tflops 989] [--prompt-len 64,256] [--response-len 32,1024]
+        [--groups 32] [--group-size 8] [--micro-batch-size 16] [--micro-batch-tokens 16384]
+        [--pack-row-tokens N] [--gen-prompts 64]
+        [--gen-tokens 256] [--no-gen] [--cpu]
+
+Model: a random-initialized `transformers.Qwen2Config` model. Default shape = Qwen2.5-0.5B
+(hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied
+embeddings); `--tiny` = the demo's scale (hidden 64, 2 layers, vocab 16) with the demo's
+batch shapes (64 groups x 8, prompts of 7 tokens, responses of 1-5), so it runs in
+seconds on CPU. Weights are random: throughput does not depend on their values.
+
+Learner: a world of --ranks processes (spawned here, or this process's torchrun world
+when RANK is set), NCCL + one GPU per rank on CUDA, gloo on CPU; the policy is sharded
+with the learner's own `shard_model` and trained with the real `train_step` (PPO,
+GRPO, AdamW) on a synthetic batch whose lengths are uniform in --prompt-len and
+--response-len. Each variant builds its model afresh; --warmup steps are discarded,
+then --steps timed steps, each between a barrier and `torch.cuda.synchronize()`.
+Precision: bf16 (FSDP2 MixedPrecisionPolicy) on CUDA, fp32 on CPU unless --precision.
+
+FLOPs (useful model FLOPs, the PaLM paper's MFU, Chowdhery et al. 2022, arXiv
+2204.02311, Appendix B): per token 6N (forward 2N + backward 4N, N = parameters, the
+tied embedding counted once: its lookup is free, the output projection is a matmul)
+plus the attention term 12 * layers * hidden * T per token for a sequence of T tokens,
+i.e. 12 * layers * hidden * sum_s T_s^2 per step (PaLM counts T without the causal
+halving; so do we). Only real tokens count: padding is not useful work, and
+activation-checkpointing recompute is not counted either (that would be HFU). The
+learner also scores only response tokens through the vocabulary projection when
+packing; the convention still counts 6N for every token.
+MFU = FLOPs / step time / (peak * ranks). --peak-tflops is per device, default 989 =
+NVIDIA's H100/H200 SXM dense BF16 tensor-core peak (989.4 TFLOPS, without sparsity);
+on CPU mfu is null (no meaningful peak).
+
+Generation: `async_rl.engines.torch_engine.TorchEngine` on one device (rank 0's),
+an unsharded copy of the same model in the same dtype, --gen-prompts prompts x 1
+sample, sampling exactly --gen-tokens new tokens (no EOS in the config, so no row
+stops early); tokens/s = generated tokens / wall time of `generate`.
+
+Output: one JSON object per line on stdout:
+  {"kind": "learner", "variant", "pack", "activation_checkpointing", "precision",
+   "device", "ranks", "params", "sequences", "tokens", "padded_tokens", "flops_per_step",
+   "step_s" (median), "steps_s" (all), "tokens_per_s", "tflops" (per device), "mfu"}
+  {"kind": "generate", "device", "precision", "params", "prompts", "new_tokens",
+   "tokens", "seconds", "tokens_per_s"}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from async_rl.batching import build_batch, order_for_ranks  # noqa: E402
+
+QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            intermediate_size=256, vocab_size=16, max_position_embeddings=64, tie_word_embeddings=True)
+VARIANTS = {"padded": (False, False), "packed": (True, False), "padded+ac": (False, True), "packed+ac": (True, True)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="demo-scale model and batch (CPU, seconds)")
+    ap.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is available")
+    ap.add_argument("--ranks", type=int, default=None, help="learner ranks (default: GPUs, or 2 on CPU)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--variants", default="padded,packed,padded+ac,packed+ac")
+    ap.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak (H100/H200 dense bf16)")
+    ap.add_argument("--prompt-len", default=None, help="min,max prompt tokens")
+    ap.add_argument("--response-len", default=None, help="min,max response tokens")
+    ap.add_argument("--groups", type=int, default=None, help="prompt groups per step")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None, help="token budget per micro-batch")
+    ap.add_argument("--pack-row-tokens", type=int, default=None, help="learner.pack_row_tokens (packed variants)")
+    ap.add_argument("--gen-prompts", type=int, default=None)
+    ap.add_argument("--gen-tokens", type=int, default=None)
+    ap.add_argument("--no-gen", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.cpu
+    # Presets: everything not given on the command line.
+    preset = dict(prompt_len="7,7", response_len="1,5", groups=64, micro_batch_size=256, micro_batch_tokens=None,
+                  gen_prompts=64, gen_tokens=8) if args.tiny else \
+        dict(prompt_len="64,256", response_len="32,1024", groups=32, micro_batch_size=16,
+             micro_batch_tokens=16384, gen_prompts=64, gen_tokens=256)
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.device = "cuda" if cuda else "cpu"
+    args.ranks = args.ranks or (torch.cuda.device_count() if cuda else 2)
+    args.precision = ("bf16" if cuda else "fp32") if args.precision == "auto" else args.precision
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
+    return args
+
+
+def model_config(args):
+    from transformers import Qwen2Config
+
+    # No EOS: generation runs exactly --gen-tokens steps in every row.
+    return Qwen2Config(**(TINY if args.tiny else QWEN25_05B), eos_token_id=None, bos_token_id=None,
+                       pad_token_id=0)
+
+
+def synthetic_batch(args, vocab: int):
+    """The same batch on every rank (seeded): lengths uniform in the given ranges."""
+    rng = np.random.default_rng(args.seed)
+    (p0, p1), (r0, r1) = (map(int, s.split(",")) for s in (args.prompt_len, args.response_len))
+    groups = []
+    for _ in range(args.groups):
+        G = args.group_size
+        lengths = rng.integers(r0, r1 + 1, size=G).astype(np.int32)
+        groups.append(SimpleNamespace(
+            prompt_tokens=rng.integers(1, vocab, size=int(rng.integers(p0, p1 + 1))).astype(np.int32),
+            response_tokens=rng.integers(1, vocab, size=(G, r1)).astype(np.int32), response_lengths=lengths,
+            logprobs=(-rng.random((G, r1)) * 3).astype(np.float32), rewards=rng.integers(0, 2, size=G).astype(np.float32),
+            greedy_reward=None))
+    return build_batch(groups, pad_id=0)
+
+
+def step_flops(n_params: int, layers: int, hidden: int, seq_lengths: torch.Tensor) -> float:
+    """PaLM Appendix B: 6N per token + 12 * layers * hidden * T per token of a T-token sequence."""
+    lengths = seq_lengths.double()
+    return float(6 * n_params * lengths.sum() + 12 * layers * hidden * (lengths ** 2).sum())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen2ForCausalLM
+
+    from async_rl.config import build_config
+    from async_rl.models.sharding import shard_model
+    from async_rl.train_step import Models, train_step
+
+    mcfg = model_config(args)
+    batch = order_for_ranks(synthetic_batch(args, mcfg.vocab_size), args.group_size, world, 1)
+    per = batch.tokens.shape[0] // world
+    local = batch.rows(rank * per, (rank + 1) * per)
+    local = type(local)(**{k: v.to(device) for k, v in vars(local).items()})
+    lengths = batch.attention.sum(-1)
+    mesh = init_device_mesh(device.type, (world,))
+    out = []
+    for variant in args.variants:
+        pack, ac = VARIANTS[variant]
+        cfg = build_config({
+            "train": {"batch_groups": args.groups, "group_size": args.group_size, "loss": "ppo", "advantage": "grpo"},
+            "learner": {"ranks": world, "micro_batch_size": args.micro_batch_size, "pack": pack,
+                        "micro_batch_tokens": args.micro_batch_tokens, "precision": args.precision,
+                        "pack_row_tokens": args.pack_row_tokens,
+                        "activation_checkpointing": ac}})
+        torch.manual_seed(args.seed)  # identical initial weights on every rank and variant
+        model = Qwen2ForCausalLM(mcfg).to(device)
+        n_params = sum(p.numel() for p in model.parameters())
+        policy = shard_model(model, mesh, precision=args.precision, activation_checkpointing=ac)
+        models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-6))
+        times = []
+        for i in range(args.warmup + args.steps):
+            dist.barrier()
+            sync(device)
+            start = time.perf_counter()
+            train_step(cfg, models, local)
+            sync(device)
+            dist.barrier()  # the step ends when the slowest rank is done
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+        flops = step_flops(n_params, mcfg.num_hidden_layers, mcfg.hidden_size, lengths)
+        step_s = statistics.median(times)
+        tflops = flops / step_s / world / 1e12
+        out.append({"kind": "learner", "variant": variant, "pack": pack, "activation_checkpointing": ac,
+                    "precision": args.precision, "device": device.type, "ranks": world, "params": n_params,
+                    "sequences": int(batch.tokens.shape[0]), "tokens": int(lengths.sum()),
+                    "padded_tokens": int(batch.tokens.numel()), "flops_per_step": flops, "step_s": step_s,
+                    "steps_s": times, "tokens_per_s": float(lengths.sum()) / step_s, "tflops": tflops,
+                    "mfu": tflops / args.peak_tflops if device.type == "cuda" else None})
+        del models, policy, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def bench_generate(args, device: torch.device) -> dict:
+    from transformers import Qwen2ForCausalLM
+
+    from async_rl.engines.torch_engine import TorchEngine
+
+    mcfg = model_config(args)
+    torch.manual_seed(args.seed)
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    engine = TorchEngine(Qwen2ForCausalLM(mcfg), device=device, dtype=dtype)
+    rng = np.random.default_rng(args.seed)
+    p0, p1 = map(int, args.prompt_len.split(","))
+    prompts = [rng.integers(1, mcfg.vocab_size, size=int(rng.integers(p0, p1 + 1))).tolist()
+               for _ in range(args.gen_prompts)]
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    engine.generate(prompts[:2], max_new_tokens=2, generator=gen)  # warm-up (kernels, allocator)
+    sync(device)
+    start = time.perf_counter()
+    out = engine.generate(prompts, max_new_tokens=args.gen_tokens, generator=gen)
+    sync(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c) for row in out for c in row)
+    return {"kind": "generate", "device": device.type, "precision": args.precision,
+            "params": sum(p.numel() for p in engine.model.parameters()), "prompts": len(prompts),
+            "new_tokens": args.gen_tokens, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+def worker(rank: int, world: int, args, port: int | None) -> None:
+    """One learner rank; rank 0 prints the JSON lines."""
+    if port is not None:  # spawned here; under torchrun the environment is already set
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank))
+    torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    try:
+        for line in bench_learner(args, dist.get_rank(), dist.get_world_size(), device):
+            if dist.get_rank() == 0:
+                print(json.dumps(line), flush=True)
+        if not args.no_gen and dist.get_rank() == 0:
+            print(json.dumps(bench_generate(args, device)), flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # inherited by the spawned ranks
+    if "RANK" in os.environ:  # launched by torchrun: this process is one rank
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
+        return 0
+    if args.ranks == 1:
+        worker(0, 1, args, free_port())
+        return 0
+    import torch.multiprocessing as mp
+
+    mp.start_processes(worker, args=(args.ranks, args, free_port()), nprocs=args.ranks, start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

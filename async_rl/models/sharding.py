@@ -1,0 +1,85 @@
+"""The learner's models under FSDP2: loading, sharding (mixed precision, activation
+checkpointing) and gathering full parameters back, shared by the learner role, the
+benchmarks and the test workers."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from ..config import Config
+from ..packing import packing_error
+from ..train_step import Models
+
+log = logging.getLogger("async_rl.learner")
+
+
+def shard_model(model: torch.nn.Module, mesh, *, precision: str = "fp32",
+                activation_checkpointing: bool = False) -> torch.nn.Module:
+    """FSDP2: one unit per decoder layer (HF names them in `_no_split_modules`), plus the root.
+
+    precision="bf16": FSDP2's MixedPrecisionPolicy all-gathers bf16 copies of the fp32
+    sharded parameters for compute and reduce-scatters gradients in fp32; the sharded
+    parameters (master weights), their gradients and the optimizer state stay fp32.
+    activation_checkpointing: transformers' own per-layer checkpointing (non-reentrant
+    torch.utils.checkpoint), enabled before sharding. It wraps each decoder layer's
+    `forward`, not `__call__`, so FSDP2's unshard/reshard hooks stay outside the
+    checkpointed region (recompute runs inside the layer's pre-backward unshard), and it
+    renames nothing: torch's `checkpoint_wrapper` would insert `_checkpoint_wrapped_module`
+    into every parameter name that weight sync, evaluation copies and checkpoints key on.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
+        else MixedPrecisionPolicy()
+    if activation_checkpointing:
+        from transformers import PreTrainedModel
+
+        # The policy itself, or the critic's trunk: the outermost HF model inside `model`.
+        hf = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    layer_types = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in layer_types:
+            fully_shard(module, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def full_parameters(model: torch.nn.Module):
+    """Yield (name, full tensor) one parameter at a time; a collective on every rank."""
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        yield name, full.detach()
+
+
+def build_models(cfg: Config, device: torch.device, mesh) -> Models:
+    """Policy (+ frozen reference for KL, + critic for GAE), each sharded with FSDP2."""
+    from transformers import AutoModelForCausalLM
+
+    def load_policy():
+        return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).to(device)
+
+    lc = cfg.learner
+    policy = load_policy()
+    if lc.pack:
+        # Deterministic and identical on every rank (same weights, same inputs): all agree.
+        error = packing_error(policy)
+        if error > 1e-4:
+            log.warning("learner.pack: %s does not reproduce its padded logits when packed (max difference %.2g); "
+                        "training with padded micro-batches", type(policy).__name__, error)
+            cfg.learner.pack = False
+    policy = shard_model(policy, mesh, precision=lc.precision,
+                         activation_checkpointing=lc.activation_checkpointing)
+    models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr,
+                                              weight_decay=cfg.train.weight_decay))
+    if cfg.train.kl.coef > 0:  # no backward through the reference: nothing to checkpoint
+        models.reference = shard_model(load_policy().requires_grad_(False).eval(), mesh, precision=lc.precision)
+    if cfg.train.advantage == "gae":
+        from ..models.critic import ValueModel
+
+        models.critic = shard_model(ValueModel(cfg.model.path).to(device), mesh, precision=lc.precision,
+                                    activation_checkpointing=lc.activation_checkpointing)
+        models.critic_optimizer = torch.optim.AdamW(models.critic.parameters(), lr=cfg.train.critic.lr,
+                                                    weight_decay=cfg.train.weight_decay)
+    return models

@@ -1,0 +1,72 @@
+"""Which way the weights reach one actor: `sync.transport` = auto | gloo | nccl | cuda_ipc.
+
+auto: gloo on CPU; on CUDA, a CUDA-IPC copy when the actor shares the learner's
+physical GPU (same host, same GPU UUID: NCCL refuses two ranks on one device), NCCL
+otherwise. Rank 0 publishes the configured transport, its group's backend and its own
+identity in the store (`transport`, msgpack); each actor decides for itself from that,
+and every actor that receives by collective uses rank 0's backend.
+"""
+from __future__ import annotations
+
+import socket
+
+import msgpack
+import torch
+
+TRANSPORTS = ("auto", "gloo", "nccl", "cuda_ipc")
+TRANSPORT_KEY = "transport"
+
+
+def gpu_identity(device: torch.device) -> str | None:
+    """The physical GPU behind `device` (its UUID, unaffected by CUDA_VISIBLE_DEVICES
+    renumbering); None on CPU."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def check_transport(transport: str, device: torch.device) -> None:
+    """The combinations config validation cannot see (model.device=auto resolved late)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"sync.transport: must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    if transport in ("nccl", "cuda_ipc") and device.type != "cuda":
+        raise ValueError(f"sync.transport: {transport} needs CUDA tensors, but the device is {device.type}")
+
+
+def choose_transport(requested: str, device: torch.device, *, learner_backend: str, learner_host: str,
+                     learner_gpu: str | None, host: str, gpu: str | None) -> str:
+    """This actor's way: "cuda_ipc", or the backend of rank 0's broadcast group ("gloo" or
+    "nccl"), which every collective member must share."""
+    check_transport(requested, device)
+    same_gpu = host == learner_host and gpu is not None and gpu == learner_gpu
+    if requested == "cuda_ipc" and not same_gpu:
+        raise ValueError("sync.transport: cuda_ipc needs the actor on the learner's own GPU "
+                         f"(learner {learner_host}/{learner_gpu}, actor {host}/{gpu})")
+    if requested == "cuda_ipc" or (requested == "auto" and same_gpu):
+        return "cuda_ipc"
+    if learner_backend == "nccl" and device.type != "cuda":
+        raise ValueError("sync.transport: the learner broadcasts over NCCL, but this actor's device is "
+                         f"{device.type} (set sync.transport=gloo, or give the actor a GPU)")
+    return learner_backend  # gloo takes CUDA tensors too (a CPU learner, GPU actors)
+
+
+def encode_learner_info(requested: str, backend: str, device: torch.device) -> bytes:
+    return msgpack.packb({"transport": requested, "backend": backend, "host": socket.gethostname(),
+                          "gpu": gpu_identity(device)})
+
+
+def decode_learner_info(raw: bytes) -> dict:
+    """Rank 0's entry, checked field by field (network input; msgpack, never pickle)."""
+    info = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=0, max_array_len=0, max_map_len=8,
+                           max_str_len=4096)
+    if (not isinstance(info, dict) or info.get("transport") not in TRANSPORTS or info.get("backend") not in ("gloo", "nccl")
+            or not isinstance(info.get("host"), str)
+            or not isinstance(info.get("gpu"), (str, type(None)))):
+        raise ValueError("malformed transport entry in the sync store")
+    return info
+
+
+def own_choice(raw_learner_info: bytes, device: torch.device) -> str:
+    info = decode_learner_info(raw_learner_info)
+    return choose_transport(info["transport"], device, learner_backend=info["backend"], learner_host=info["host"],
+                            learner_gpu=info["gpu"], host=socket.gethostname(), gpu=gpu_identity(device))

@@ -1,0 +1,139 @@
+"""Learner efficiency options change speed, not results: packed micro-batches give the
+padded log-probs and the same train_step; activation checkpointing the same gradients;
+bf16 mixed precision keeps fp32 master weights. Plus the learner benchmark's --tiny preset."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, subprocess_env
+from safetensors.torch import load_file
+
+WORKER = Path(__file__).parent / "workers" / "learner_variants.py"
+
+
+def tiny_models():
+    from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from async_rl.models.demo import build_config
+
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=64))
+    return {"demo": LlamaForCausalLM(build_config()), "qwen2": qwen}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_logp_equal_padded(attn):
+    """Response-token log-probs and entropies of the packed forward = the padded forward,
+    with rows as long as the longest sequence and with everything in one row."""
+    from async_rl.batching import build_batch
+    from async_rl.packing import packing_error
+    from async_rl.train_step import forward_logp
+    from workers.fsdp_step import synthetic_groups
+
+    batch = build_batch(synthetic_groups(6, 4, seed=3), pad_id=0)
+    mask = batch.loss_mask.bool()
+    for name, model in tiny_models().items():
+        model.config._attn_implementation = attn
+        padded, h_padded = forward_logp(model, batch, 0.7, entropy=True)
+        for row_tokens in (None, 10_000):
+            packed, h_packed = forward_logp(model, batch, 0.7, entropy=True, pack=True, row_tokens=row_tokens)
+            torch.testing.assert_close(packed[mask], padded[mask], rtol=0, atol=1e-5, msg=name)
+            torch.testing.assert_close(h_packed[mask], h_padded[mask], rtol=0, atol=1e-5, msg=name)
+            assert (packed[~mask] == 0).all()
+        assert packing_error(model) < 1e-5
+
+
+def test_packing_check_catches_a_leaking_model():
+    """A model that ignores the packed layout (here: a full 2-D mask, so attention
+    crosses sequence boundaries) fails the learner's one-time packing check."""
+    from async_rl.packing import packing_error
+
+    model = tiny_models()["qwen2"]
+    forward = model.forward
+    model.forward = lambda **kw: forward(**{**kw, "attention_mask": kw.get("attention_mask")
+                                           if kw.get("attention_mask") is not None
+                                           else torch.ones_like(kw["input_ids"])})
+    assert packing_error(model) > 1e-3
+
+
+def test_micro_batches_whole_groups_within_token_budget():
+    from async_rl.packing import micro_batches
+
+    attention = torch.zeros(8, 10, dtype=torch.long)
+    for i, n in enumerate([3, 5, 9, 2, 4, 4, 10, 1]):
+        attention[i, :n] = 1
+    assert micro_batches(attention, 0, 8, 2, 4, None, True) == [(0, 4), (4, 8)]
+    # Groups of 2 rows: 8, 11, 8, 11 real tokens; budget 20 -> 8+11, 8+11
+    assert micro_batches(attention, 0, 8, 2, 4, 20, True) == [(0, 4), (4, 8)]
+    # Padded cost = rows x longest: 2*5=10, 4*9=36 > 20 -> cut; a group over budget still goes alone
+    assert micro_batches(attention, 0, 8, 2, 4, 20, False) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert micro_batches(attention, 2, 8, 2, 4, 1, True) == [(2, 4), (4, 6), (6, 8)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("variants")
+    out = tmp / "runs.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(WORKER), str(out), str(tmp / "model")],
+                          timeout=180, env=subprocess_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    tensors = load_file(out)
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        run, _, name = key.partition("/")
+        grouped.setdefault(run, {})[name] = value
+    return grouped
+
+
+def assert_same_run(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        if name.startswith("stat:"):  # diagnostics: float64 sums, some of them large
+            torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=atol, msg=name)
+        else:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("variant", ["gae", "reinforce_pp", "opmd"])
+def test_packed_train_step_equals_padded(runs, variant):
+    """Updated policy (and critic) parameters and every diagnostic: packed micro-batches
+    under a token budget vs padded fixed-size ones, 2 FSDP2 ranks, SGD lr=1."""
+    assert_same_run(runs[f"{variant}-padded"], runs[f"{variant}-packed"], atol=1e-5)
+
+
+def test_activation_checkpointing_same_gradients(runs):
+    assert_same_run(runs["gae-padded"], runs["gae-ac"], atol=1e-6)
+    assert_same_run(runs["gae-packed"], runs["gae-packed-ac"], atol=1e-6)
+
+
+def test_bf16_mixed_precision_keeps_fp32_master_weights(runs):
+    fp32, bf16, init = runs["ppo-padded"], runs["ppo-bf16"], runs["init"]
+    assert bool(bf16.pop("fp32_master")) and bool(fp32.pop("fp32_master"))
+    assert all(t.dtype == torch.float32 for n, t in bf16.items() if not n.startswith("stat:"))
+    # The bf16 update is the fp32 one up to bf16 rounding of activations (~1e-2 relative).
+    update = torch.cat([(fp32[n] - init[n]).flatten() for n in init])
+    update_bf16 = torch.cat([(bf16[n] - init[n]).flatten() for n in init])
+    assert update.norm() > 0 and (update_bf16 - update).norm() / update.norm() < 0.1
+    assert abs(float(bf16["stat:loss/total"]) - float(fp32["stat:loss/total"])) < 0.05
+
+
+def test_bench_learner_tiny_prints_schema():
+    proc = subprocess.run([sys.executable, str(ROOT / "analysis/bench_learner.py"), "--tiny", "--cpu", "--ranks", "2",
+                           "--steps", "1", "--warmup", "0", "--variants", "padded,packed+ac"],
+                          capture_output=True, text=True, timeout=60, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    learner = [l for l in lines if l["kind"] == "learner"]
+    assert [l["variant"] for l in learner] == ["padded", "packed+ac"]
+    for l in learner:
+        assert l["device"] == "cpu" and l["ranks"] == 2 and l["mfu"] is None and l["precision"] == "fp32"
+        assert l["tokens"] <= l["padded_tokens"] and l["step_s"] > 0 and len(l["steps_s"]) == 1
+        assert abs(l["tokens_per_s"] - l["tokens"] / l["step_s"]) < 1e-6 * l["tokens_per_s"]
+        assert l["flops_per_step"] > 6 * l["params"] * l["tokens"]
+    (gen,) = [l for l in lines if l["kind"] == "generate"]
+    assert gen["tokens"] == gen["prompts"] * gen["new_tokens"] and gen["tokens_per_s"] > 0

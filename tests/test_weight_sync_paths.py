@@ -1,0 +1,239 @@
+"""The weight-sync data paths: receivers whose parameters are views of their buckets,
+publish overlapping the broadcast, the transport choice (gloo / NCCL / CUDA IPC) and the
+CUDA-IPC handle format. The CUDA tests skip without a GPU."""
+import multiprocessing as mp
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import transformers
+
+from async_rl.config import ConfigError, build_config
+from async_rl.engines.torch_engine import TorchEngine
+from async_rl.weight_sync import SyncAbandoned, WeightBroadcaster, WeightReceiver, choose_transport, cuda_ipc
+from async_rl.weight_sync.plan import plan_buckets
+from async_rl.weight_sync.transports import decode_learner_info, encode_learner_info
+
+CPU = torch.device("cpu")
+
+
+def specs(params):
+    return [(n, tuple(p.shape), p.dtype) for n, p in params]
+
+
+def tiny_tied_llama(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                      tie_word_embeddings=True, initializer_range=0.5, bos_token_id=None,
+                                      eos_token_id=None, pad_token_id=None)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_receiver_makes_parameters_views_of_its_buckets_without_changing_the_model():
+    engine = TorchEngine(tiny_tied_llama(0), eos_token_id=None)
+    prompts = [[1, 2, 3], [4, 5]]
+    before = engine.generate(prompts, max_new_tokens=6, greedy=True)
+    receiver = WeightReceiver(engine.parameters_for_sync(), bucket_mb=0.01, backend="gloo", timeout_s=5)
+    assert len(receiver.plan) > 1
+    after = engine.generate(prompts, max_new_tokens=6, greedy=True)
+    for b, a in zip(before, after):
+        assert torch.equal(b[0].tokens, a[0].tokens) and torch.equal(b[0].logprobs, a[0].logprobs)
+    bases = {flat.untyped_storage().data_ptr() for flat in receiver.buckets}
+    for _, param in engine.model.named_parameters():
+        assert param.untyped_storage().data_ptr() in bases
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight  # still tied
+    # What lands in a bucket is what the model computes with.
+    entry = receiver.plan[0].entries[0]
+    receiver.buckets[0][entry.offset] = 123.0
+    assert receiver.params[entry.name].reshape(-1)[0].item() == 123.0
+
+
+def test_publish_broadcasts_a_bucket_before_the_rest_is_filled():
+    source = [(f"w{i}", torch.full((64,), float(i))) for i in range(4)]  # one 256-byte bucket each
+    bc = WeightBroadcaster(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="gloo", device=CPU,
+                           timeout_s=10)
+    params = [(n, torch.zeros(64)) for n, _ in source]
+    receiver = WeightReceiver(params, bucket_mb=256 / 2**20, backend="gloo", timeout_s=10)
+    def receive(version):
+        deadline = time.time() + 10
+        while (bc.job() is None or bc.job().version != version) and time.time() < deadline:
+            time.sleep(0.005)
+        job = bc.job()
+        receiver.receive(epoch=job.epoch, rank=1, world_size=2, store_host=bc.host, store_port=bc.port)
+
+    def slow_source():
+        yield source[0]
+        deadline = time.time() + 10  # bucket 0 must reach the receiver while publish is still here
+        while time.time() < deadline and not torch.equal(params[0][1], source[0][1]):
+            time.sleep(0.01)
+        first_bucket_early.append(torch.equal(params[0][1], source[0][1]))
+        yield from source[1:]
+
+    first_bucket_early = []
+    try:
+        bc.publish(1, iter([(n, t + 100) for n, t in source]))  # no members yet: only fills a set
+        bc.set_members([1])
+        receive(1)
+        assert all(torch.equal(p, s + 100) for (_, p), (_, s) in zip(params, source))
+        t = threading.Thread(target=receive, args=(2,))
+        t.start()
+        bc.publish(2, slow_source())
+        t.join(timeout=15)
+        assert not t.is_alive() and first_bucket_early == [True]
+        assert all(torch.equal(p, s) for (_, p), (_, s) in zip(params, source)) and receiver.intact
+    finally:
+        bc.close()
+
+
+def test_transport_choice_store_entry_and_config():
+    cuda = torch.device("cuda", 0)
+    nccl_learner = dict(learner_backend="nccl", learner_host="a", learner_gpu="GPU-1", host="a")
+
+    def choose(requested, device, gpu, **where):
+        return choose_transport(requested, device, **{**nccl_learner, **where}, gpu=gpu)
+
+    cpu_learner = dict(learner_backend="gloo", learner_gpu=None)
+    assert choose("auto", CPU, None, **cpu_learner) == "gloo"
+    assert choose("auto", cuda, "GPU-2", **cpu_learner) == "gloo"  # the group is rank 0's: gloo, CUDA tensors
+    assert choose("auto", cuda, "GPU-1") == "cuda_ipc"
+    assert choose("auto", cuda, "GPU-2") == "nccl"
+    assert choose("auto", cuda, "GPU-1", learner_host="b") == "nccl"  # same GPU model on another host
+    assert choose("nccl", cuda, "GPU-1") == "nccl"  # forced: the user's call
+    assert choose("gloo", cuda, "GPU-2", learner_backend="gloo") == "gloo"
+    for requested, device, gpu in (("nccl", CPU, None), ("cuda_ipc", cuda, "GPU-2"), ("auto", CPU, None)):
+        with pytest.raises(ValueError, match="sync.transport"):
+            choose(requested, device, gpu)  # no CUDA; another GPU; a CPU actor in an NCCL group
+
+    info = decode_learner_info(encode_learner_info("auto", "gloo", CPU))
+    assert info == {"transport": "auto", "backend": "gloo", "host": socket.gethostname(), "gpu": None}
+    with pytest.raises(ValueError):
+        decode_learner_info(b"\x93\x01\x02\x03")  # msgpack [1, 2, 3]: not the entry
+
+    with pytest.raises(ConfigError, match=r"^sync\.transport: cuda_ipc needs model\.device=cuda"):
+        build_config({"sync": {"transport": "cuda_ipc"}, "model": {"device": "cpu"}})
+    with socket.socket() as s:  # transport.store_port: the broadcaster's store listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert build_config({"transport": {"store_port": port}}).transport.store_port == port
+    bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo", device=CPU,
+                           timeout_s=5, port=port)
+    try:
+        assert bc.port == port
+    finally:
+        bc.close()
+
+
+def test_a_vllm_run_refuses_torch_receivers_at_once():
+    """engine="vllm" plans vLLM's packed layout, which a torch receiver cannot take: rank 0
+    abandons the epoch (one log line) instead of letting anyone wait for the timeout."""
+    with pytest.raises(ValueError, match="engine"):
+        WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo", device=CPU,
+                          timeout_s=5, engine="sglang")
+    source = [("w0", torch.randn(16)), ("w1", torch.randn(4, 4).to(torch.bfloat16))]
+    bc = WeightBroadcaster(specs(source), bucket_mb=1, host="127.0.0.1", backend="gloo", device=CPU, timeout_s=10,
+                           engine="vllm")
+    assert [b.dtype for b in bc.plan] == [torch.uint8] and bc.plan[0].numel == 16 * 4 + 16 * 2
+    receiver = WeightReceiver([(n, torch.zeros_like(t)) for n, t in source], bucket_mb=1, backend="gloo",
+                              timeout_s=10)
+    try:
+        bc.set_members([1])
+        bc.publish(1, iter(source))
+        deadline = time.time() + 5
+        while bc.job() is None and time.time() < deadline:
+            time.sleep(0.005)
+        started = time.monotonic()
+        with pytest.raises(SyncAbandoned):
+            receiver.receive(epoch=bc.job().epoch, rank=1, world_size=2, store_host=bc.host, store_port=bc.port)
+        assert time.monotonic() - started < 5 and receiver.intact
+    finally:
+        bc.close(wait_s=5)
+
+
+def test_cuda_ipc_handle_format_round_trip_and_checks():
+    plan = plan_buckets([("a", (8,), torch.float32), ("b", (4, 2), torch.float32)], bucket_bytes=32)
+    entries = [{"device": 0, "handle": bytes(64), "size_bytes": 4096, "offset_bytes": 512 * i,
+                "ref_counter_handle": b"/torch_123_456", "ref_counter_offset": i, "event_handle": None,
+                "event_sync_required": False, "tensor_offset": 0, "numel": b.numel, "dtype": "float32"}
+               for i, b in enumerate(plan)]
+    assert cuda_ipc.unpack(cuda_ipc.pack(entries), plan) == entries
+    wrong = [dict(entries[0], numel=9)] + entries[1:]
+    with pytest.raises(ValueError, match="do not match"):
+        cuda_ipc.unpack(cuda_ipc.pack(wrong), plan)
+    with pytest.raises(ValueError, match="malformed"):
+        cuda_ipc.unpack(cuda_ipc.pack([dict(entries[0], handle="text")] + entries[1:]), plan)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _ipc_actor(host: str, port: int, names, conn) -> None:
+    torch.cuda.set_device(0)
+    params = [(n, torch.zeros(8, 8, device="cuda")) for n in names]
+    receiver = WeightReceiver(params, bucket_mb=256 / 2**20, backend="nccl", timeout_s=30)
+    epoch = conn.recv()
+    receiver.receive(epoch=epoch, rank=1, world_size=2, store_host=host, store_port=port)
+    conn.send((receiver.transport, [p.cpu() for _, p in params]))
+
+
+@needs_cuda
+def test_cuda_ipc_actor_on_the_learners_gpu_gets_the_weights():
+    device = torch.device("cuda", 0)
+    source = [(f"w{i}", torch.randn(8, 8, device=device)) for i in range(3)]
+    bc = WeightBroadcaster(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="nccl",
+                           device=device, timeout_s=30)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_ipc_actor, args=("127.0.0.1", bc.port, [n for n, _ in source], child), daemon=True)
+    proc.start()
+    try:
+        bc.set_members([1])
+        bc.publish(1, iter(source))
+        deadline = time.time() + 30
+        while bc.job() is None and time.time() < deadline:
+            time.sleep(0.01)
+        parent.send(bc.job().epoch)
+        assert parent.poll(60)
+        transport, got = parent.recv()
+        assert transport == "cuda_ipc" and bc.group is None  # no NCCL group: one GPU
+        assert all(torch.equal(g, s.cpu()) for g, (_, s) in zip(got, source))
+    finally:
+        bc.close(wait_s=5)
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs CUDA (two GPUs: NCCL refuses two ranks on one)")
+def test_nccl_broadcast_from_the_side_stream():
+    device = torch.device("cuda", 0)
+    source = [(f"w{i}", torch.randn(64, device=device)) for i in range(5)]
+    bc = WeightBroadcaster(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="nccl",
+                           device=device, timeout_s=30)
+    errors = []
+
+    def actor():
+        try:
+            torch.cuda.set_device(1)
+            params = [(n, torch.zeros(64, device="cuda:1")) for n, _ in source]
+            receiver = WeightReceiver(params, bucket_mb=256 / 2**20, backend="nccl", timeout_s=30)
+            while bc.job() is None:
+                time.sleep(0.01)
+            job = bc.job()
+            receiver.receive(epoch=job.epoch, rank=1, world_size=2, store_host=bc.host, store_port=bc.port)
+            assert receiver.transport == "nccl"
+            assert all(torch.equal(p.cpu(), s.cpu()) for (_, p), (_, s) in zip(params, source))
+        except Exception as err:
+            errors.append(err)
+
+    try:
+        bc.set_members([1])
+        bc.publish(1, iter(source))
+        t = threading.Thread(target=actor)
+        t.start()
+        t.join(timeout=60)
+        assert not t.is_alive() and not errors, errors
+    finally:
+        bc.close(wait_s=5)

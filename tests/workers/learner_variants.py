@@ -1,0 +1,89 @@
+"""torchrun worker (2 ranks): the learner's train_step under several learner options,
+each from the same initial weights and batch; writes every run's updated parameters
+and diagnostics to one safetensors file, `RUN/<name>` keys. The test compares runs:
+packed vs padded micro-batches, activation checkpointing vs none, bf16 vs fp32."""
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from async_rl.batching import build_batch, order_for_ranks, scatter_batch
+from async_rl.config import build_config
+from async_rl.models.critic import ValueModel
+from async_rl.models.sharding import full_parameters, shard_model
+from async_rl.roles.learner import shutdown_world
+from async_rl.runtime import exit_now
+from async_rl.train_step import Models, train_step
+from fsdp_step import VARIANTS, synthetic_groups
+
+PACKED = {"pack": True, "micro_batch_tokens": 40}  # a token budget: micro-batches of 1-3 groups
+# (name, train variant, learner options)
+RUNS = [(f"{v}-{kind}", v, opts) for v in ("gae", "reinforce_pp", "opmd")
+        for kind, opts in (("padded", {}), ("packed", PACKED))] + [
+    ("gae-ac", "gae", {"activation_checkpointing": True}),
+    ("gae-packed-ac", "gae", {**PACKED, "activation_checkpointing": True}),
+    ("ppo-padded", "ppo", {}),
+    ("ppo-bf16", "ppo", {"precision": "bf16"}),
+]
+
+
+def run(name: str, variant: str, opts: dict, model_dir: str, mesh, rank: int, world: int) -> dict:
+    train = {"batch_groups": 4, "group_size": 4, "grad_clip": 1e9, **VARIANTS[variant]}
+    cfg = build_config({"train": train, "learner": {"ranks": 2, "micro_batch_size": 4, "pack": False, **opts}})
+    lc = cfg.learner
+    shard = dict(precision=lc.precision, activation_checkpointing=lc.activation_checkpointing)
+    policy = shard_model(LlamaForCausalLM.from_pretrained(model_dir), mesh, **shard)
+    models = Models(policy, torch.optim.SGD(policy.parameters(), lr=1.0))
+    if cfg.train.kl.coef > 0:
+        models.reference = shard_model(LlamaForCausalLM.from_pretrained(model_dir).requires_grad_(False), mesh,
+                                       precision=lc.precision)
+        with torch.no_grad():  # a reference that differs from the policy, so the KL is not 0
+            for p in models.policy.parameters():
+                p.add_(0.05 * torch.ones_like(p))
+    if cfg.train.advantage == "gae":
+        models.critic = shard_model(ValueModel(model_dir), mesh, **shard)
+        models.critic_optimizer = torch.optim.SGD(models.critic.parameters(), lr=1.0)
+    dtypes = []  # (param, grad) dtypes the optimizer sees: the fp32 master weights
+    step = models.optimizer.step
+    models.optimizer.step = lambda: (dtypes.extend(
+        (p.dtype, p.grad.dtype) for p in models.policy.parameters() if p.grad is not None), step())[1]
+    batch = None
+    if rank == 0:
+        batch = order_for_ranks(build_batch(synthetic_groups(4, 4, seed=1), pad_id=0), 4, world,
+                                cfg.train.minibatches)
+    stats = train_step(cfg, models, scatter_batch(batch, rank, world, torch.device("cpu")))
+    out = {f"{name}/{n}": t.clone().contiguous() for n, t in full_parameters(models.policy)}
+    if models.critic is not None:
+        out.update({f"{name}/critic.{n}": t.clone().contiguous() for n, t in full_parameters(models.critic)})
+    for key, value in stats.items():
+        out[f"{name}/stat:{key}"] = torch.tensor([value], dtype=torch.float64)
+    out[f"{name}/fp32_master"] = torch.tensor([bool(dtypes) and all(d == (torch.float32,) * 2 for d in dtypes)])
+    return out
+
+
+def main(out_path: str, model_dir: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    if rank == 0:
+        LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=64,
+                                     tie_word_embeddings=True)).save_pretrained(model_dir)
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = {}
+    for name, variant, opts in RUNS:
+        tensors.update(run(name, variant, opts, model_dir, mesh, rank, world))
+    if rank == 0:
+        init = LlamaForCausalLM.from_pretrained(model_dir).named_parameters()
+        tensors.update({f"init/{n}": t.detach().clone().contiguous() for n, t in init})
+        save_file(tensors, out_path)
+    shutdown_world()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+    exit_now(0)
