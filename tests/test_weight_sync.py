@@ -6,6 +6,7 @@ import time
 import torch
 
 from async_rl.weight_sync import SyncAbandoned, WeightBroadcaster, WeightReceiver, plan_buckets
+from async_rl.weight_sync.plan import sync_bucket_bytes
 
 
 def specs(params):
@@ -24,6 +25,17 @@ def test_plan_buckets_respects_size_and_dtype():
         offsets = [e.offset for e in b.entries]
         assert offsets == sorted(offsets) and sum(e.numel for e in b.entries) == b.numel
         assert all(e.name != "c" or b.dtype == torch.float16 for e in b.entries)
+
+
+def test_small_models_get_smaller_buckets_so_copy_and_send_overlap():
+    mib = 2**20
+    big = [("w", (64 * mib // 4,), torch.float32)]  # 64 MiB: four 16 MiB buckets already
+    assert sync_bucket_bytes(big, bucket_mb=16) == 16 * mib
+    small = [("w", (12 * mib // 4,), torch.float32)]  # 12 MiB: 4 buckets of 3 MiB, not one of 16
+    assert sync_bucket_bytes(small, bucket_mb=16) == 3 * mib
+    tiny = [("w", (1000,), torch.float32)]  # 4 kB: never below 1 MiB (a collective's fixed cost)
+    assert sync_bucket_bytes(tiny, bucket_mb=16) == mib
+    assert sync_bucket_bytes(tiny, bucket_mb=0.5) == mib // 2  # never above sync.bucket_mb
 
 
 def make_params(seed):

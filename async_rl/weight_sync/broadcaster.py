@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import cuda_ipc, vllm_trainer
-from .plan import allocate_buckets, layout_id, plan_buckets, plan_packed
+from .plan import allocate_buckets, layout_id, plan_buckets, plan_packed, sync_bucket_bytes
 from .rendezvous import (EpochPlan, SyncAbandoned, SyncJob, arrived_key, broadcast_async, decision_key, describe,
                          new_group, plan_epoch, poll_store, vllm_port_key, wait_all)
 from .transports import TRANSPORT_KEY, check_transport, encode_learner_info
@@ -70,7 +70,8 @@ class WeightBroadcaster:
         self.engine = engine
         bucket_bytes = int(bucket_mb * 2**20)
         # vLLM: its wire layout; publish writes each tensor's bytes, in its spec dtype.
-        self.plan = plan_packed(specs, bucket_bytes) if engine == "vllm" else plan_buckets(specs, bucket_bytes)
+        self.plan = (plan_packed(specs, bucket_bytes) if engine == "vllm"  # vLLM's own chunk size
+                     else plan_buckets(specs, sync_bucket_bytes(specs, bucket_mb)))
         self.layout = layout_id(specs, bucket_bytes) if engine == "vllm" else None
         self._wire_dtype = {name: dtype for name, _, dtype in specs} if engine == "vllm" else None
         self.backend = "gloo" if transport == "gloo" else backend

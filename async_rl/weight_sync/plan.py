@@ -53,6 +53,24 @@ def plan_buckets(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], buck
     return buckets
 
 
+# The broadcaster sends bucket i while publish copies bucket i+1, so the copy of the
+# first bucket is the one cost nothing hides. A model of one or two `sync.bucket_mb`
+# buckets would pay most of its copy unhidden (analysis/bench_sync.py, 12 MiB on CPU:
+# 0.73 of a flat broadcast in one bucket); it gets smaller buckets instead, at least
+# PIPELINE_BUCKETS of them, none under MIN_PIPELINE_BUCKET_BYTES (below that a
+# collective's fixed cost outweighs the overlap).
+PIPELINE_BUCKETS = 4
+MIN_PIPELINE_BUCKET_BYTES = 2**20
+
+
+def sync_bucket_bytes(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], bucket_mb: float) -> int:
+    """The bucket size both ends of a torch-engine sync plan with: `sync.bucket_mb`, or
+    less for a model too small to fill PIPELINE_BUCKETS of them."""
+    limit = int(bucket_mb * 2**20)
+    total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)
+    return max(min(limit, math.ceil(total / PIPELINE_BUCKETS)), min(limit, MIN_PIPELINE_BUCKET_BYTES))
+
+
 def plan_packed(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], buffer_bytes: int) -> list[Bucket]:
     """vLLM's packed wire layout (its packed_tensor.py): uint8 chunks, tensors of any dtype
     concatenated in order, a chunk closing right *after* the tensor that takes it past

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import cuda_ipc
-from .plan import alias_into_buckets, plan_buckets
+from .plan import alias_into_buckets, plan_buckets, sync_bucket_bytes
 from .rendezvous import (COLLECTIVE, CUDA_IPC, SyncAbandoned, arrived_key, broadcast, broadcast_async, decision_key,
                          new_group, parse_decision, poll_store, wait_all)
 from .transports import TRANSPORT_KEY, own_choice
@@ -29,7 +29,8 @@ class WeightReceiver:
 
     def __init__(self, params: list[tuple[str, torch.Tensor]], *, bucket_mb: float, backend: str, timeout_s: float):
         self.params = dict(params)
-        self.plan = plan_buckets([(n, tuple(p.shape), p.dtype) for n, p in params], int(bucket_mb * 2**20))
+        specs = [(n, tuple(p.shape), p.dtype) for n, p in params]
+        self.plan = plan_buckets(specs, sync_bucket_bytes(specs, bucket_mb))
         self.buckets = alias_into_buckets(self.params, self.plan)
         self.device = self.buckets[0].device if self.buckets else torch.device("cpu")
         # `backend` (the actor's own guess) is kept for the engines' common receiver
