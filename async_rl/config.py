@@ -112,7 +112,7 @@ class TrainConfig(_Section):
 
 class SyncConfig(_Section):
     every: int = Field(1, ge=1, description="Broadcast weights to actors every this many learner steps.")
-    bucket_mb: float = Field(16.0, gt=0.0, description="Flat bucket size for the weight broadcast.")
+    bucket_mb: float = Field(16.0, gt=0.0, description="Flat bucket size for the weight broadcast; an upper bound: a model smaller than four buckets gets smaller ones (not under 1 MiB), so copying bucket i+1 overlaps sending bucket i. With actors.engine=vllm: vLLM's packed buffer size.")
     in_flight: bool = Field(False, description="Also apply new weights between decode steps (torch engine), not only between batches: unfinished responses continue on the new weights (KV cache kept), each token records its version, a sample's version is its oldest token's.")
     timeout_s: float = Field(60.0, gt=0.0, description="Timeout of the broadcast group's rendezvous and collectives.")
     transport: Literal["auto", "gloo", "nccl", "cuda_ipc"] = Field("auto", description="How weights reach each actor: `auto` = gloo on CPU; on CUDA, `cuda_ipc` (the actor copies from the learner's bucket memory through CUDA IPC handles) when the actor runs on the learner's own physical GPU (same host, same GPU UUID; NCCL refuses two ranks on one device), else `nccl`. `nccl` and `cuda_ipc` need model.device=cuda.")

@@ -32,6 +32,7 @@
 #                   [config's, i.e. 127.0.0.1: actors on this machine only]
 #   HUB_PORT        transport.hub_port, a fixed port for firewalls [ephemeral]
 #   EXPERIENCE_PORT transport.experience_port, a fixed port for firewalls [ephemeral]
+#   STORE_PORT      transport.store_port, the weight-sync TCPStore's port, for firewalls [ephemeral]
 #   KEYS            CURVE key directory (`async-rl keys DIR`): sets security.curve=true
 #                   security.keys_dir=KEYS; actors then need KEYS too
 #   HUB_WAIT_S      seconds to wait for endpoints.json before warning [600]
@@ -76,6 +77,7 @@ if [[ -n ${RUN_DIR:-} ]]; then overrides+=("run_dir=$RUN_DIR"); fi
 if [[ -n ${HUB_HOST:-} ]]; then overrides+=("transport.host=$HUB_HOST"); fi
 if [[ -n ${HUB_PORT:-} ]]; then overrides+=("transport.hub_port=$HUB_PORT"); fi
 if [[ -n ${EXPERIENCE_PORT:-} ]]; then overrides+=("transport.experience_port=$EXPERIENCE_PORT"); fi
+if [[ -n ${STORE_PORT:-} ]]; then overrides+=("transport.store_port=$STORE_PORT"); fi
 if [[ -n ${KEYS:-} ]]; then overrides+=("security.curve=true" "security.keys_dir=$(cd "$KEYS" && pwd)"); fi
 
 checkpoint=""

@@ -14,8 +14,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-
-
 def _descendants(pid: int) -> set[int]:
     from async_rl.runtime import process_tree
 
@@ -24,8 +22,10 @@ def _descendants(pid: int) -> set[int]:
 
 def test_learner_and_actor_scripts_train_a_few_steps(tmp_path, demo_model):
     run = tmp_path / "run"
+    store_port = _free_port()  # a fixed weight-sync store port, as a firewall needs
     env = subprocess_env(NNODES="1", NODE_RANK="0", NPROC_PER_NODE="2", MASTER_ADDR="127.0.0.1",
-                         MASTER_PORT=str(_free_port()), RDZV_ID="test-launch", RUN_DIR=str(run))
+                         MASTER_PORT=str(_free_port()), RDZV_ID="test-launch", RUN_DIR=str(run),
+                         STORE_PORT=str(store_port))
     learner = subprocess.Popen(
         ["bash", str(ROOT / "launch/learner.sh"), str(ROOT / "configs/demo.yaml"), f"model.path={demo_model}",
          "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4", "task.eval_size=32",
@@ -41,6 +41,7 @@ def test_learner_and_actor_scripts_train_a_few_steps(tmp_path, demo_model):
             time.sleep(0.1)
         endpoints = json.loads((run / "endpoints.json").read_text())
         assert endpoints["hub"].startswith("tcp://127.0.0.1:")
+        assert endpoints["store"] == f"127.0.0.1:{store_port}"
         seen |= _descendants(learner.pid)
         actors = subprocess.Popen(["bash", str(ROOT / "launch/actors.sh")],
                                   env=subprocess_env(HUB=endpoints["hub"], NUM_ACTORS="1", NAME_PREFIX="test"),
