@@ -17,6 +17,19 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny in-process models (`pytestmark = pytest.mark.usefixtures(...)`):
+    tiny ops gain nothing from intra-op threads, and on a shared, loaded CPU the OpenMP
+    workers spin against other processes (measured: 8 s -> 70 s)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory):
     """The demo architecture and tokenizer, barely trained (these tests check plumbing, not learning)."""

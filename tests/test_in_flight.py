@@ -8,7 +8,6 @@ broadcast, goodbye), and one short real run whose metrics show mixed-version sam
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -23,17 +22,11 @@ from async_rl.tracing import SpanRecorder
 from async_rl.transport import (ExperienceGroup, Goodbye, Hello, RejectCounter, SyncDone, SyncOrder, Wait, WireLimits,
                                 WorkGrant, WorkRequest, decode, encode, recv, send)
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]  # ragged: rows are left-padded
 V = 16  # vocabulary
 T = 8  # new tokens per response
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_llama(seed: int) -> transformers.LlamaForCausalLM:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,17 +12,9 @@ import transformers
 from async_rl.engines import Completion, GenerationEngine, make_engine
 from async_rl.engines.torch_engine import TorchEngine
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10], [3, 3, 11, 12]]  # deliberately ragged
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny ops gain nothing from intra-op threads, and on a shared, loaded CPU the
-    # OpenMP workers spin against other processes (measured: 8 s -> 70 s).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -210,9 +210,12 @@ class Learner:
             stats["learner/lr"] = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             self.version += 1
+            if self.rank == 0:
+                # Before the publish: its broadcast can complete, and the actors ask for
+                # work at the new version, before publish() even returns (streamed buckets).
+                self.coordinator.version = self.version
             sync_s = self._sync_weights() if self.version % cfg.sync.every == 0 else 0.0
             if self.rank == 0:
-                self.coordinator.version = self.version
                 now = time.monotonic()
                 interval, last_end = max(now - last_end, 1e-9), now
                 self.samples_total += int(info["samples"])

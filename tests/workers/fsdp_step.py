@@ -47,7 +47,8 @@ def synthetic_groups(n_groups: int, G: int, seed: int):
     return groups
 
 
-def main(out_path: str, variant: str, model_dir: str) -> None:
+def init_world(model_dir: str):
+    """Join the gloo world; rank 0 writes the tiny Llama every rank then loads. (rank, world, mesh)"""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -56,7 +57,11 @@ def main(out_path: str, variant: str, model_dir: str) -> None:
                                      num_key_value_heads=2, intermediate_size=64,
                                      tie_word_embeddings=True)).save_pretrained(model_dir)
     dist.barrier()
-    mesh = init_device_mesh("cpu", (world,))
+    return rank, world, init_device_mesh("cpu", (world,))
+
+
+def main(out_path: str, variant: str, model_dir: str) -> None:
+    rank, world, mesh = init_world(model_dir)
     train = {"batch_groups": 4, "group_size": 4, "grad_clip": 1e9, **VARIANTS[variant]}
     cfg = build_config({"train": train, "learner": {"ranks": 2, "micro_batch_size": 4}})
     policy = shard_model(LlamaForCausalLM.from_pretrained(model_dir), mesh)

@@ -5,10 +5,8 @@ packed vs padded micro-batches, activation checkpointing vs none, bf16 vs fp32."
 import sys
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
-from torch.distributed.device_mesh import init_device_mesh
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from async_rl.batching import build_batch, order_for_ranks, scatter_batch
 from async_rl.config import build_config
@@ -17,7 +15,7 @@ from async_rl.models.sharding import full_parameters, shard_model
 from async_rl.roles.learner import shutdown_world
 from async_rl.runtime import exit_now
 from async_rl.train_step import Models, train_step
-from fsdp_step import VARIANTS, synthetic_groups
+from fsdp_step import VARIANTS, init_world, synthetic_groups
 
 PACKED = {"pack": True, "micro_batch_tokens": 40}  # a token budget: micro-batches of 1-3 groups
 # (name, train variant, learner options)
@@ -65,15 +63,7 @@ def run(name: str, variant: str, opts: dict, model_dir: str, mesh, rank: int, wo
 
 
 def main(out_path: str, model_dir: str) -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    if rank == 0:
-        LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, intermediate_size=64,
-                                     tie_word_embeddings=True)).save_pretrained(model_dir)
-    dist.barrier()
-    mesh = init_device_mesh("cpu", (world,))
+    rank, world, mesh = init_world(model_dir)
     tensors = {}
     for name, variant, opts in RUNS:
         tensors.update(run(name, variant, opts, model_dir, mesh, rank, world))
