@@ -61,6 +61,7 @@ Assumptions and limits:
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
 import json
 import math
@@ -267,6 +268,21 @@ def _cv(xs: list[float]) -> float:
     return min(3.0, max(0.05, statistics.pstdev(xs) / mean)) if len(xs) > 1 and mean > 0 else 0.2
 
 
+def _outside_generate(spans, name: str) -> list:
+    """The `name` spans of one track that are not nested in a `generate` span (with
+    sync.in_flight, syncs happen inside generation and its time is already counted)."""
+    gens = sorted((s.start_s, s.start_s + s.dur_s) for s in spans if s.name == "generate")
+    starts = [a for a, _ in gens]
+    out = []
+    for s in spans:
+        if s.name != name:
+            continue
+        i = bisect.bisect_right(starts, s.start_s) - 1  # the last generate starting before it
+        if i < 0 or s.start_s + s.dur_s > gens[i][1]:
+            out.append(s)
+    return out
+
+
 def trace_rates(run, skip: int) -> dict:
     """From trace.json, over the window: actor seconds per group outside generate,
     wait-for-admission and sync spans; learner seconds from a step's sync to the next
@@ -284,7 +300,8 @@ def trace_rates(run, skip: int) -> dict:
         spans = [s for s in run.spans(track) if s.start_s >= lo and s.start_s + s.dur_s <= hi]
         if spans:
             other += max(s.start_s + s.dur_s for s in spans) - min(s.start_s for s in spans) - \
-                sum(s.dur_s for s in spans if s.name in ("generate", "wait-for-admission", "sync"))
+                sum(s.dur_s for s in spans if s.name in ("generate", "wait-for-admission")) - \
+                sum(s.dur_s for s in _outside_generate(spans, "sync"))
             groups += sum(s.args.get("groups", 0) for s in spans if s.name == "generate")
     by_version: dict[int, list[float]] = {}
     for s in syncs:

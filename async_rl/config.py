@@ -114,6 +114,7 @@ class SyncConfig(_Section):
     every: int = Field(1, ge=1, description="Broadcast weights to actors every this many learner steps.")
     bucket_mb: float = Field(16.0, gt=0.0, description="Flat bucket size for the weight broadcast; an upper bound: a model smaller than four buckets gets smaller ones (not under 1 MiB), so copying bucket i+1 overlaps sending bucket i. With actors.engine=vllm: vLLM's packed buffer size.")
     in_flight: bool = Field(False, description="Also apply new weights between decode steps (torch engine), not only between batches: unfinished responses continue on the new weights (KV cache kept), each token records its version, a sample's version is its oldest token's.")
+    in_flight_poll_s: float = Field(0.05, ge=0.0, description="sync.in_flight: between decode steps, ask the hub for a waiting broadcast at most this often (a loopback round trip costs ~0.2 ms, so 50 ms keeps polling under 1% of generation while new weights land within ~50 ms of their broadcast).")
     timeout_s: float = Field(60.0, gt=0.0, description="Timeout of the broadcast group's rendezvous and collectives.")
     transport: Literal["auto", "gloo", "nccl", "cuda_ipc"] = Field("auto", description="How weights reach each actor: `auto` = gloo on CPU; on CUDA, `cuda_ipc` (the actor copies from the learner's bucket memory through CUDA IPC handles) when the actor runs on the learner's own physical GPU (same host, same GPU UUID; NCCL refuses two ranks on one device), else `nccl`. `nccl` and `cuda_ipc` need model.device=cuda.")
 

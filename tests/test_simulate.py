@@ -203,3 +203,13 @@ def test_calibration_from_metrics_alone(real_run):
     assert out["predicted_samples_per_s"] == pytest.approx(out["measured_samples_per_s"], rel=0.2), out
     if eta == 0:
         assert out["predicted_staleness_mean"] == 0 and out["measured_staleness_mean"] == 0, out
+
+
+def test_in_flight_syncs_inside_generate_are_not_counted_twice():
+    from types import SimpleNamespace as Span
+
+    spans = [Span(name="generate", start_s=0.0, dur_s=1.0), Span(name="sync", start_s=0.4, dur_s=0.1),  # in flight
+             Span(name="sync", start_s=1.2, dur_s=0.3),  # between batches
+             Span(name="generate", start_s=2.0, dur_s=1.0), Span(name="sync", start_s=2.9, dur_s=0.3)]  # overlaps the end
+    assert [s.start_s for s in sim._outside_generate(spans, "sync")] == [1.2, 2.9]
+    assert sim._outside_generate([Span(name="sync", start_s=0.0, dur_s=1.0)], "sync")[0].dur_s == 1.0

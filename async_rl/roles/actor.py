@@ -32,11 +32,6 @@ from ..runtime import load_tokenizer, make_task_from_config, quiet_libraries, re
 
 log = logging.getLogger("async_rl.actor")
 
-# sync.in_flight: generation pauses between decode steps to ask the hub for a waiting
-# broadcast at most this often. A loopback round trip costs ~0.2 ms, so polling stays
-# below 1% of generation time while new weights land within ~50 ms of their broadcast.
-IN_FLIGHT_POLL_S = 0.05
-
 
 class HubClient:
     """One DEALER socket to the hub with timeouts on every operation."""
@@ -140,7 +135,7 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + actor_id)
         syncer = Syncer(hub, receiver, engine, state, spans)
         if cfg.sync.in_flight:
-            engine.step_hook = InFlight(syncer, timeout_s=cfg.transport.timeout_s)
+            engine.step_hook = InFlight(syncer, timeout_s=cfg.transport.timeout_s, poll_s=cfg.sync.in_flight_poll_s)
         log.info("actor %d ready (%s) on %s", actor_id, name, device)
         while True:
             # Parameters left half-updated by a broken-off broadcast must not generate:
@@ -238,7 +233,7 @@ class InFlight:
     would not get them generated any sooner.
     """
 
-    def __init__(self, syncer: Syncer, *, timeout_s: float, poll_s: float = IN_FLIGHT_POLL_S):
+    def __init__(self, syncer: Syncer, *, timeout_s: float, poll_s: float):
         self.syncer, self.timeout_s, self.poll_s = syncer, timeout_s, poll_s
         self.updates = 0  # in-flight syncs completed (weights changed mid-generation)
         self._next_poll = 0.0
