@@ -8,6 +8,7 @@ evaluation lines of metrics.jsonl, and the spans of trace.json when there is one
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +97,17 @@ def save_figure(plt, fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def write_plots(make_plots) -> None:
+    """Run `make_plots()` (it returns the paths it wrote) and list them; without
+    matplotlib (the optional `analysis` extra) say so instead: the tables do not need it."""
+    try:
+        written = make_plots()
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[analysis]'): no plots", file=sys.stderr)
+        return
+    print("plots: " + ", ".join(str(p) for p in written))
 
 
 def read_trace(path: Path) -> list[Span] | None:

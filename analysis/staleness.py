@@ -30,7 +30,8 @@ import math
 import sys
 from pathlib import Path
 
-from rundata import Run, add_run_arguments, labels, load_run, pyplot, rolling, save_figure, smoothing_window
+from rundata import (Run, add_run_arguments, labels, load_run, pyplot, rolling, save_figure, smoothing_window,
+                     write_plots)
 
 PLOTS = ("staleness_hist.png", "staleness_time.png", "is_ess.png")
 COMPARE = "staleness_compare.png"
@@ -201,14 +202,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{run.path}: no training steps in metrics.jsonl", file=sys.stderr)
             return 1
     print(table([stats(r) for r in runs]), end="")
-    try:
+
+    def plots():
         written = [p for run in runs for p in plot_run(run, args.smooth)]
         if len(runs) > 1:
             written.append(plot_compare(runs, (args.out or runs[0].path / "analysis") / COMPARE, args.smooth))
-    except ImportError:  # matplotlib is the optional `analysis` extra; the table does not need it
-        print("matplotlib is not installed (pip install -e '.[analysis]'): no plots", file=sys.stderr)
-        return 0
-    print("\nplots: " + ", ".join(str(p) for p in written))
+        return written
+
+    print()
+    write_plots(plots)
     return 0
 
 

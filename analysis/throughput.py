@@ -45,7 +45,8 @@ import re
 import sys
 from pathlib import Path
 
-from rundata import Run, add_run_arguments, Span, labels, load_run, pyplot, rolling, save_figure, smoothing_window
+from rundata import (Run, add_run_arguments, Span, labels, load_run, pyplot, rolling, save_figure, smoothing_window,
+                     write_plots)
 
 COLUMNS = ("generate", "score", "push", "train-step", "eval", "checkpoint", "sync", "wait")
 WAITS = {"learner": "wait-for-data", "actor": "wait-for-admission"}
@@ -379,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         print(shares_table(traced, args.include_startup))
         print("## Actor idle (trace)\n")
         print(actor_table(traced))
-    try:
+
+    def plots():
         written = []
         for run in runs:
             written.append(plot_metrics(run, args.smooth))
@@ -388,10 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         if len(runs) > 1:
             written.append(plot_compare(runs, (args.out or runs[0].path / "analysis") / "throughput_compare.png",
                                         args.smooth))
-    except ImportError:  # matplotlib is the optional `analysis` extra; the tables do not need it
-        print("matplotlib is not installed (pip install -e '.[analysis]'): no plots", file=sys.stderr)
-        return 0
-    print("plots: " + ", ".join(str(p) for p in written))
+        return written
+
+    write_plots(plots)
     return 0
 
 
