@@ -1,4 +1,4 @@
-"""Weight-sync bandwidth: the bucketed broadcast of async_rl.weight_sync against one
+"""Weight-sync bandwidth: the bucketed sync of async_rl.weight_sync against one
 flat-buffer broadcast of the same bytes, over the same process group.
 
     python analysis/bench_sync.py [--sizes-mb 10 50 200] [--bucket-mb 16] [--receivers 2]
@@ -24,12 +24,15 @@ first also builds the group) are excluded and medians reported:
             reference: no copies, one collective)
   bucketed  the real path, end to end: `publish()` copies the source tensors into the
             free bucket set while the broadcast thread already sends each bucket as
-            soon as it is filled; each receiver's `receive()` broadcasts straight into
-            its parameters (views of its persistent buckets: no copy); timed from the
-            publish call until every receiver has returned and the broadcaster has
-            counted the sync complete
-  nocopy    the same bucket plan broadcast from/into preallocated buckets, nothing
-            copied: isolates the per-bucket collective cost from publish's copy-in
+            soon as it is filled; each receiver's `receive()` takes the buckets
+            straight into its parameters (views of its persistent buckets: no copy);
+            timed from the publish call until every receiver has returned and the
+            broadcaster has counted the sync complete. On gloo the buckets go down a
+            pipelined chain (async_rl/weight_sync/schedule.py; `schedule` in the
+            output), which one flat buffer cannot: that, not the bucketing itself,
+            is where the bucketed path gains on the reference
+  nocopy    the same bucket plan and schedule, from/into preallocated buckets, nothing
+            copied: isolates the schedule from publish's copy-in
 Each round is timed on rank 0 from just before its first action until every receiver
 has reported completion over a pipe (same overhead for every mode). Bandwidth =
 model bytes / seconds (payload each receiver gets, not summed over receivers).
@@ -50,12 +53,13 @@ Output, one JSON object per line on stdout:
 A sanity check (checksums of the received parameters against the source, then zeroed)
 follows the first bucketed round; a mismatch aborts the benchmark.
 
-Measured (CPU, 2 cores, defaults, 2 receivers; the machine shared with other jobs):
-bucketed_over_flat 0.81 / 0.83 / 0.90 in three runs at load average ~2 (before the
-receivers' parameters became views of their buckets and publish overlapped the sends:
-0.64-0.68). Under load 5-8 single runs ranged 0.71-0.89: the medians of 15 rounds
-then still move by +-0.15. What remains of the gap is mostly the copy of the first
-bucket in publish, which nothing overlaps (a 12 MiB model is a single bucket).
+Measured (CPU, 2 cores, defaults, 2 receivers): bucketed_over_flat (the worst size)
+0.84-0.94 over 8 runs; per size 0.87-1.06 at 12 MiB, 0.84-1.00 at 50 MiB, 0.87-1.03
+at 217 MiB. With one gloo broadcast per bucket instead of the chain it was 0.71-0.83
+(and 0.64-0.68 before the receivers' parameters became views of their buckets and
+publish overlapped the sends). With --receivers 1 there is no tree to beat, the
+learner's copy is the whole difference, and small models stay under 0.8 (0.73 at
+12 MiB, 0.83 at 50 MiB, 0.98 at 217 MiB).
 """
 from __future__ import annotations
 
@@ -73,6 +77,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from async_rl.weight_sync import WeightBroadcaster, WeightReceiver, broadcast  # noqa: E402
+from async_rl.weight_sync.schedule import chained, receive_chain, send_chain  # noqa: E402
 
 MODES = ("flat", "bucketed", "nocopy")
 
@@ -147,9 +152,13 @@ def worker(conn, rank: int, threads: int, device_name: str) -> None:
                 receiver.receive(epoch=epoch, rank=rank, world_size=world, store_host=host, store_port=port)
             elif op == "flat":  # the receiver's own group (formed by the first bucketed round)
                 broadcast(receiver._group, flat)
-            elif op == "nocopy":
-                for b in buckets:
-                    broadcast(receiver._group, b)
+            elif op == "nocopy":  # the same schedule as receive(), into buckets of its own
+                _, world = msg
+                if chained(receiver.transport, len(buckets), world):
+                    receive_chain(receiver._group, buckets, rank=rank, world=world, timeout_s=receiver.timeout_s)
+                else:
+                    for b in buckets:
+                        broadcast(receiver._group, b)
             elif op == "checksum":  # then zeroed, so that the next check sees only what the next round wrote
                 conn.send(("checksum", checksum(receiver.params.values())))
                 for t in receiver.params.values():
@@ -245,10 +254,13 @@ class Bench:
                             extra["wire_s"].append(bc.last_broadcast_s)
                             extra["receive_s"].append(max(recv_s))
                     else:
-                        self.tell((mode,))
+                        self.tell((mode, world))
                         t0 = time.perf_counter()
                         if mode == "flat":
                             broadcast(bc.group, flat)
+                        elif chained(self.backend, len(nocopy), world):  # the broadcaster's own schedule
+                            send_chain(bc.group, nocopy, world=world, wait_ready=lambda i: None,
+                                       timeout_s=self.timeout_s)
                         else:
                             for b in nocopy:
                                 broadcast(bc.group, b)
@@ -266,7 +278,8 @@ class Bench:
             bc.close(wait_s=5)
         common = {"device": dev.type, "backend": self.backend, "receivers": len(self.conns),
                   "model_mb": round(nbytes / 2**20, 2), "tensors": len(specs), "dtype": str(dtype).replace("torch.", ""),
-                  "bucket_mb": bucket_mb, "buckets": len(bc.plan)}
+                  "bucket_mb": bucket_mb, "buckets": len(bc.plan),
+                  "schedule": "chain" if chained(self.backend, len(bc.plan), world) else "broadcast per bucket"}
         lines = []
         med = {}
         for mode in modes:

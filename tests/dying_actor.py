@@ -1,18 +1,20 @@
-"""`async-rl actor` that SIGKILLs itself in the middle of a weight broadcast, for
+"""`async-rl actor` that SIGKILLs itself in the middle of a weight sync, for
 tests/test_elastic_actors.py: `python tests/dying_actor.py N --hub ADDR` dies after the
-second bucket of its N-th sync, while the other members receive the same broadcast.
-(After two buckets, not one: by then rank 0 has sent every member the first bucket, so
-the survivors are certainly left half-updated.)"""
+second bucket of its N-th sync, while the other members receive the same sync. It
+joined last, so it is the end of the chain (weight_sync/schedule.py): the members
+before it have every bucket by then, and rank 0, left without the acknowledgement,
+counts the sync as failed and sends the version again once the reaper has removed it."""
 import os
 import signal
 import sys
 
 from async_rl.cli import main
 from async_rl.weight_sync import receiver as weight_receiver
+from async_rl.weight_sync import schedule
 
 die_in_sync = int(sys.argv.pop(1))
 syncs = buckets = 0
-receive, broadcast = weight_receiver.WeightReceiver.receive, weight_receiver.broadcast
+receive, await_bucket = weight_receiver.WeightReceiver.receive, schedule.await_bucket
 
 
 def counting_receive(self, **kwargs):
@@ -21,14 +23,14 @@ def counting_receive(self, **kwargs):
     return receive(self, **kwargs)
 
 
-def dying_broadcast(group, tensor):  # the receiver's per-bucket broadcast on CPU
+def dying_await_bucket(work, timeout_s):  # the receiver's wait for each bucket on CPU
     global buckets
-    broadcast(group, tensor)
+    await_bucket(work, timeout_s)
     buckets += 1
     if syncs >= die_in_sync and buckets == 2:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 weight_receiver.WeightReceiver.receive = counting_receive
-weight_receiver.broadcast = dying_broadcast
+schedule.await_bucket = dying_await_bucket
 sys.exit(main(["actor", *sys.argv[1:]]))

@@ -27,6 +27,7 @@ def test_bench_sync_prints_consistent_json():
         assert m["median_s"] > 0 and m["gbps"] > 0 and m["receivers"] == 1 and m["device"] == "cpu"
         assert abs(m["gbps"] - m["model_mb"] * 2**20 / m["median_s"] / 1e9) <= 0.01 * m["gbps"] + 1e-3
     assert modes["bucketed"]["buckets"] > 1  # 0.5 MB buckets: the model spans several
+    assert all(m["schedule"] == "chain" for m in measurements)  # gloo, several buckets
     assert modes["bucketed"]["publish_median_s"] > 0 and modes["bucketed"]["wire_median_s"] > 0
 
     (cmp,) = comparisons

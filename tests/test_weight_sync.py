@@ -3,10 +3,13 @@ membership, and members that die or never come."""
 import threading
 import time
 
+import pytest
 import torch
 
+from async_rl.weight_sync import schedule
 from async_rl.weight_sync import SyncAbandoned, WeightBroadcaster, WeightReceiver, plan_buckets
 from async_rl.weight_sync.plan import sync_bucket_bytes
+from async_rl.weight_sync.schedule import chained
 
 
 def specs(params):
@@ -44,13 +47,25 @@ def make_params(seed):
             ("layer.b", torch.randn(8, generator=g)), ("head", torch.randn(4, 8, generator=g))]
 
 
-def test_broadcast_reaches_all_receivers_and_follows_membership():
+def test_chain_only_where_it_beats_the_tree():
+    """Chain: buckets + (world - 2) bucket times; gloo's tree: ceil(log2(world)) writes
+    of every bucket from rank 0 (schedule.chained)."""
+    assert chained("gloo", 5, 3)  # 5 + 1 <= 5 * 2
+    assert chained("gloo", 2, 2)  # one member: a chain of one link, receives posted up front
+    assert not chained("gloo", 1, 3)  # a single bucket: nothing to pipeline
+    assert chained("gloo", 3, 9) and not chained("gloo", 2, 9)  # 3 + 7 <= 3 * 4, but 2 + 7 > 2 * 4
+    assert chained("gloo", 11, 65) and not chained("gloo", 10, 65)  # 11 + 63 <= 11 * 7, but 10 + 63 > 70
+    assert not chained("nccl", 50, 3)  # NCCL pipelines its own broadcast
+
+
+@pytest.mark.parametrize("members", [(3, 7), (3, 5, 7)], ids=["chain-of-2", "chain-of-3"])
+def test_broadcast_reaches_all_receivers_and_follows_membership(members):
     source = make_params(0)
     bc = WeightBroadcaster(specs(source), bucket_mb=0.0005, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=20)
-    receivers = {k: (make_params(k + 10), None) for k in (3, 7)}
+    receivers = {k: (make_params(k + 10), None) for k in members}
     try:
-        bc.set_members([3, 7])
+        bc.set_members(members)
         bc.publish(5, iter(source))
         job = None
         for _ in range(200):
@@ -58,18 +73,19 @@ def test_broadcast_reaches_all_receivers_and_follows_membership():
             if job is not None:
                 break
             time.sleep(0.01)
-        assert job is not None and job.version == 5 and job.members == (3, 7)
+        assert job is not None and job.version == 5 and job.members == members
+        assert chained("gloo", len(bc.plan), len(members) + 1)
 
         def receive(actor_id):
             params, _ = receivers[actor_id]
             r = WeightReceiver(params, bucket_mb=0.0005, backend="gloo", timeout_s=20)
-            r.receive(epoch=job.epoch, rank=job.rank_of(actor_id), world_size=3, store_host=bc.host,
+            r.receive(epoch=job.epoch, rank=job.rank_of(actor_id), world_size=len(members) + 1, store_host=bc.host,
                       store_port=bc.port)
 
-        threads = [threading.Thread(target=receive, args=(k,)) for k in (3, 7)]
+        threads = [threading.Thread(target=receive, args=(k,)) for k in members]
         [t.start() for t in threads]
         [t.join(timeout=30) for t in threads]
-        for k in (3, 7):
+        for k in members:
             for (name, want), (_, got) in zip(source, receivers[k][0]):
                 assert torch.equal(want, got), name
         deadline = time.time() + 10
@@ -111,7 +127,12 @@ def receive(receiver, job, actor_id, bc):
                      store_host=bc.host, store_port=bc.port)
 
 
-def test_member_dying_mid_broadcast_leaves_survivor_half_updated_until_a_resync():
+@pytest.mark.parametrize("dying_rank", [1, 2], ids=["dies-first-in-chain", "dies-last-in-chain"])
+def test_member_dying_mid_sync_leaves_survivor_not_intact_until_a_resync(dying_rank, monkeypatch):
+    """Rank 1 forwards to rank 2 (schedule.py). A dead rank 1 leaves the survivor after it
+    half-updated, and it must not generate until a resync; a dead rank 2 leaves the
+    survivor before it with every bucket. Either way rank 0 counts the sync as failed
+    (no acknowledgement from the end of the chain) and resends once the dead member is gone."""
     source = make_params(0)
     bc = WeightBroadcaster(specs(source), bucket_mb=0.0002, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=10)
@@ -119,7 +140,15 @@ def test_member_dying_mid_broadcast_leaves_survivor_half_updated_until_a_resync(
     survivor = WeightReceiver(survivor_params, bucket_mb=0.0002, backend="gloo", timeout_s=10)
     dying = WeightReceiver(make_params(2), bucket_mb=0.0002, backend="gloo", timeout_s=10)
     assert len(survivor.plan) >= 3
-    dying.plan = dying.plan[:1]  # takes part in the first bucket only...
+    real_await = schedule.await_bucket
+
+    def await_then_die(work, timeout_s):  # the dying member takes part in the first bucket only...
+        real_await(work, timeout_s)
+        if threading.current_thread().name == "dying":
+            raise RuntimeError("died")
+
+    monkeypatch.setattr(schedule, "await_bucket", await_then_die)
+    dying_id, survivor_id = (1, 2) if dying_rank == 1 else (2, 1)
     try:
         bc.set_members([1, 2])
         bc.publish(5, iter(source))
@@ -128,23 +157,42 @@ def test_member_dying_mid_broadcast_leaves_survivor_half_updated_until_a_resync(
 
         def survive():
             try:
-                receive(survivor, job, 1, bc)
+                receive(survivor, job, survivor_id, bc)
             except Exception as err:
                 errors.append(err)
 
         t = threading.Thread(target=survive)
         t.start()
-        receive(dying, job, 2, bc)
-        dying._group = None  # ...then its connections close, as when the process is killed
+        died = []
+
+        def die():
+            try:
+                receive(dying, job, dying_id, bc)
+            except RuntimeError as err:  # ...then its connections close, as when the process is killed
+                died.append(str(err))
+
+        dead = threading.Thread(target=die, name="dying")
+        dead.start()
+        dead.join(timeout=20)
+        assert died == ["died"]
         t.join(timeout=20)
-        assert not t.is_alive() and errors, "the survivor should see the broadcast break off"
-        assert not survivor.intact and survivor._group is None
-        assert bc.failures >= 1
+        assert not t.is_alive()
+        if dying_rank == 1:  # only the first bucket reached the survivor through the dead member
+            assert errors, "the survivor should see the sync break off"
+            assert not survivor.intact and survivor._group is None
+            assert not torch.equal(source[-1][1], survivor_params[-1][1])
+        else:  # every bucket reached the survivor; its forwards may have been written before the death
+            assert all(torch.equal(want, got) for (_, want), (_, got) in zip(source, survivor_params))
+            assert survivor.intact == (not errors)
+        deadline = time.time() + 10
+        while bc.failures < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        assert bc.failures >= 1 and bc.completed == 0
         # The reaper removes the dead member; the retry rebroadcasts the same version.
-        bc.set_members([1])
-        retry = wait_for_job(bc, [1], newer_than=job.epoch)
+        bc.set_members([survivor_id])
+        retry = wait_for_job(bc, [survivor_id], newer_than=job.epoch)
         assert retry.version == 5
-        receive(survivor, retry, 1, bc)
+        receive(survivor, retry, survivor_id, bc)
         assert survivor.intact
         assert all(torch.equal(want, got) for (_, want), (_, got) in zip(source, survivor_params))
     finally:

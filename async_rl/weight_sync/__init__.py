@@ -9,10 +9,11 @@ gloo on CPU, NCCL on GPU, and for an actor on the learner's own GPU a CUDA-IPC c
 derive from the same architecture (plan.py).
 
 Rank 0 never waits for actors: `publish` copies the gathered weights into a free
-bucket set and returns; a background thread broadcasts it while training goes on
-(double buffering; broadcaster.py). Actors join at their next safe point; their
-parameters are views of their own buckets, so the broadcast lands in them without a
-copy (receiver.py).
+bucket set and returns; a background thread sends it while training goes on (double
+buffering; broadcaster.py): down a pipelined chain of the members on gloo, one NCCL
+broadcast per bucket on GPUs (schedule.py). Actors join at their next safe point;
+their parameters are views of their own buckets, so the buckets land in them without
+a copy (receiver.py).
 
 A new epoch's group is only built once every member has announced itself in the store
 and rank 0 has written its decision ("go" or "abandon"): gloo's own rendezvous cannot

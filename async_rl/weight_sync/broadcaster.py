@@ -2,11 +2,12 @@
 
 Double buffering: `publish` fills the set that is not being broadcast and returns
 without waiting for actors; the broadcast thread takes the newest filled set and
-sends it while training goes on. Filling and sending overlap bucket by bucket: the
-thread may take up a set that `publish` is still filling and broadcast bucket i as
-soon as it is complete, while bucket i+1 is being gathered and copied
-(analysis/bench_sync.py, CPU, 217 MiB, 2 receivers, loaded machine: bucketed/flat
-0.86-0.92 with the overlap, 0.78-0.84 without; on a GPU the gather overlaps too).
+sends it while training goes on (schedule.py: a pipelined chain on gloo, a broadcast
+per bucket on NCCL). Filling and sending overlap bucket by bucket: the thread may
+take up a set that `publish` is still filling and send bucket i as soon as it is
+complete, while bucket i+1 is being gathered and copied (analysis/bench_sync.py, CPU,
+217 MiB, 2 receivers, loaded machine, per-bucket broadcasts: bucketed/flat 0.86-0.92
+with the overlap, 0.78-0.84 without; on a GPU the gather overlaps too).
 
 On CUDA the buckets live on the device: publish copies on the learner's stream and
 records one event per bucket; the thread broadcasts on a side stream that waits on
@@ -37,6 +38,7 @@ from . import cuda_ipc, vllm_trainer
 from .plan import allocate_buckets, layout_id, plan_buckets, plan_packed, sync_bucket_bytes
 from .rendezvous import (EpochPlan, SyncAbandoned, SyncJob, arrived_key, broadcast_async, decision_key, describe,
                          new_group, plan_epoch, poll_store, vllm_port_key, wait_all)
+from .schedule import chained, send_chain
 from .transports import TRANSPORT_KEY, check_transport, encode_learner_info
 
 log = logging.getLogger("async_rl.sync")
@@ -55,8 +57,10 @@ class _BucketSet:
 class _Epoch:
     """What the thread knows about the membership epoch it last formed."""
 
-    def __init__(self, number: int = 0, group: Any = None, ipc_ranks: tuple[int, ...] = (), vllm: bool = False):
+    def __init__(self, number: int = 0, group: Any = None, ipc_ranks: tuple[int, ...] = (), vllm: bool = False,
+                 world: int = 0):
         self.number, self.group, self.ipc_ranks, self.ipc_seq = number, group, ipc_ranks, 0
+        self.world = world  # ranks in `group`, rank 0 included
         self.vllm = vllm  # `group` is vLLM's PyNcclCommunicator, not a torch ProcessGroup
 
 
@@ -208,15 +212,25 @@ class WeightBroadcaster:
         if plan.vllm:
             group = vllm_trainer.open_group(port_socket, self.host, plan.vllm_world, self.device, self.timeout_s)
             return _Epoch(job.epoch, group, vllm=True)
-        group = new_group(self.backend, self.store, job.epoch, 0, len(plan.collective) + 1,
-                          self.timeout_s) if plan.collective else None
-        return _Epoch(job.epoch, group, plan.ipc)
+        world = len(plan.collective) + 1
+        group = new_group(self.backend, self.store, job.epoch, 0, world, self.timeout_s) if plan.collective else None
+        return _Epoch(job.epoch, group, plan.ipc, world=world)
 
     def _send(self, source: _BucketSet, epoch: _Epoch, job: SyncJob) -> None:
         if epoch.vllm:
             vllm_trainer.send(epoch.group, source.tensors, wait_ready=lambda i: self._wait_ready(source, i),
                               events=source.events, side_stream=self._side_stream, timeout_s=self.timeout_s)
             return
+        if epoch.group is not None and chained(self.backend, len(source.tensors), epoch.world):
+            send_chain(epoch.group, source.tensors, world=epoch.world, wait_ready=lambda i: self._wait_ready(source, i),
+                       timeout_s=self.timeout_s)
+        else:
+            self._broadcast_each(source, epoch)
+        if epoch.ipc_ranks:
+            self._serve_ipc(source, epoch, job)
+
+    def _broadcast_each(self, source: _BucketSet, epoch: _Epoch) -> None:
+        """One broadcast per bucket; on CUDA queued on the side stream behind its copy-in."""
         works = []
         on_side_stream = torch.cuda.stream(self._side_stream) if self._side_stream else contextlib.nullcontext()
         with on_side_stream:
@@ -230,8 +244,6 @@ class WeightBroadcaster:
                 if source.events is None:  # CPU: one at a time (queueing them all measured no faster)
                     works.pop().wait()
             wait_all(works, self.timeout_s)
-        if epoch.ipc_ranks:
-            self._serve_ipc(source, epoch, job)
 
     def _wait_ready(self, source: _BucketSet, i: int) -> None:
         deadline = time.monotonic() + self.timeout_s

@@ -1,12 +1,14 @@
 """An actor's side of the weight sync.
 
 The parameters are re-homed at construction as views of persistent per-bucket flat
-tensors (plan.alias_into_buckets), so a broadcast lands in them directly. An actor on
+tensors (plan.alias_into_buckets), so a bucket lands in them directly, whether it
+comes down the gloo chain (and is forwarded from there) or by NCCL broadcast. An actor on
 the learner's own GPU copies from the learner's mapped buckets instead (CUDA IPC).
 """
 from __future__ import annotations
 
 import datetime
+import traceback
 
 import msgpack
 import torch
@@ -16,6 +18,7 @@ from . import cuda_ipc
 from .plan import alias_into_buckets, plan_buckets, sync_bucket_bytes
 from .rendezvous import (COLLECTIVE, CUDA_IPC, SyncAbandoned, arrived_key, broadcast, broadcast_async, decision_key,
                          new_group, parse_decision, poll_store, wait_all)
+from .schedule import chained, receive_chain
 from .transports import TRANSPORT_KEY, own_choice
 
 
@@ -40,6 +43,7 @@ class WeightReceiver:
         self._store: dist.TCPStore | None = None
         self._group: dist.ProcessGroup | None = None
         self._epoch = -1
+        self._group_rank = self._world = 0  # this member's rank in the epoch's group, and its size
         self._ipc_sources: dict[int, list[torch.Tensor]] = {}  # the learner's bucket sets, mapped once
         self._ipc_seq = 0
         self.intact = True  # the parameters hold one complete version
@@ -47,10 +51,13 @@ class WeightReceiver:
     def receive(self, *, epoch: int, rank: int, world_size: int, store_host: str, store_port: int) -> None:
         try:
             self._receive(epoch, rank, store_host, store_port)
-        except Exception:
+        except Exception as err:
             # The group may be broken (a member gone, a collective half done): never reuse
-            # it. Dropping it also closes its connections, releasing peers still waiting.
+            # it. Dropping it also closes its connections, releasing peers still waiting,
+            # but only once nothing else holds it: the frames in the traceback of an
+            # exception the caller keeps would (with the pending transfers).
             self._group, self._epoch = None, -1
+            traceback.clear_frames(err.__traceback__)
             raise
 
     def _receive(self, epoch: int, rank: int, store_host: str, store_port: int) -> None:
@@ -65,7 +72,12 @@ class WeightReceiver:
             self._copy_from_learner(epoch, rank)
             return
         self.intact = False  # from the first byte on: a broken-off bucket is half written
-        if self.device.type == "cuda":  # queued on the stream; the host waits once, with a timeout
+        if chained(self.transport, len(self.buckets), self._world):
+            # A failed forward also leaves intact False: this member has every bucket,
+            # but its sync failed, so it must not label what it generates with the new version.
+            receive_chain(self._group, self.buckets, rank=self._group_rank, world=self._world,
+                          timeout_s=self.timeout_s)
+        elif self.device.type == "cuda":  # queued on the stream; the host waits once, with a timeout
             wait_all([broadcast_async(self._group, flat) for _, flat in zip(self.plan, self.buckets)], self.timeout_s)
         else:  # one at a time: queueing them all measured no faster on CPU (bench_sync.py)
             for _, flat in zip(self.plan, self.buckets):
@@ -84,8 +96,8 @@ class WeightReceiver:
         if self.transport != "cuda_ipc":
             if rank not in collective:
                 raise RuntimeError(f"rank 0's decision for epoch {epoch} leaves this member (rank {rank}) out")
-            self._group = new_group(self.transport, store, epoch, collective.index(rank) + 1, len(collective) + 1,
-                                    self.timeout_s)
+            self._group_rank, self._world = collective.index(rank) + 1, len(collective) + 1
+            self._group = new_group(self.transport, store, epoch, self._group_rank, self._world, self.timeout_s)
         self._epoch, self._ipc_seq = epoch, 0
 
     def _copy_from_learner(self, epoch: int, rank: int) -> None:
