@@ -13,6 +13,7 @@ import transformers
 from async_rl.config import ConfigError, build_config
 from async_rl.engines.torch_engine import TorchEngine
 from async_rl.weight_sync import SyncAbandoned, WeightBroadcaster, WeightReceiver, choose_transport, cuda_ipc
+from async_rl.weight_sync.schedule import chained
 from async_rl.weight_sync.plan import plan_buckets
 from async_rl.weight_sync.transports import decode_learner_info, encode_learner_info
 
@@ -235,5 +236,43 @@ def test_nccl_broadcast_from_the_side_stream():
         t.start()
         t.join(timeout=60)
         assert not t.is_alive() and not errors, errors
+    finally:
+        bc.close(wait_s=5)
+
+
+@needs_cuda
+def test_gloo_chain_with_gpu_buckets_on_both_ends():
+    """sync.transport=gloo with a GPU learner and GPU actors: gloo's point-to-point ops
+    take host memory, so rank 0 keeps its buckets on the host and members stage theirs."""
+    device = torch.device("cuda", 0)
+    source = [(f"w{i}", torch.randn(64, device=device)) for i in range(5)]
+    bc = WeightBroadcaster(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="nccl",
+                           device=device, timeout_s=30, transport="gloo")
+    assert bc.backend == "gloo" and all(t.device.type == "cpu" for t in bc._sets[0].tensors)
+    errors, receivers = [], {}
+
+    def actor(actor_id):
+        try:
+            torch.cuda.set_device(0)
+            params = [(n, torch.zeros(64, device=device)) for n, _ in source]
+            receivers[actor_id] = WeightReceiver(params, bucket_mb=256 / 2**20, backend="gloo", timeout_s=30)
+            while bc.job() is None:
+                time.sleep(0.01)
+            job = bc.job()
+            receivers[actor_id].receive(epoch=job.epoch, rank=job.rank_of(actor_id), world_size=3,
+                                        store_host=bc.host, store_port=bc.port)
+            assert receivers[actor_id].transport == "gloo"
+            assert all(torch.equal(p, s) for (_, p), (_, s) in zip(params, source))
+        except Exception as err:
+            errors.append(err)
+
+    try:
+        bc.set_members([1, 2])
+        bc.publish(1, iter(source))
+        threads = [threading.Thread(target=actor, args=(k,)) for k in (1, 2)]
+        [t.start() for t in threads]
+        [t.join(timeout=60) for t in threads]
+        assert not any(t.is_alive() for t in threads) and not errors, errors
+        assert chained("gloo", len(bc.plan), 3)
     finally:
         bc.close(wait_s=5)

@@ -85,7 +85,10 @@ class WeightBroadcaster:
         self.host, self.port = host, self.store.port
         self.store.set(TRANSPORT_KEY, encode_learner_info(transport, self.backend, device))
         self._slot = {e.name: (i, e) for i, b in enumerate(self.plan) for e in b.entries}
-        self._sets = [_BucketSet(self.plan, device), _BucketSet(self.plan, device)]
+        # gloo sends from host memory (schedule.py's point-to-point ops take host
+        # pointers only), so a GPU learner on gloo copies straight to the host in publish.
+        bucket_device = torch.device("cpu") if self.backend == "gloo" and engine == "torch" else device
+        self._sets = [_BucketSet(self.plan, bucket_device), _BucketSet(self.plan, bucket_device)]
         self._send_idx = 0  # the set being (or last) broadcast; publish fills the other one
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ipc_exported = False

@@ -47,6 +47,8 @@ def send_chain(group: dist.ProcessGroup, tensors: list[torch.Tensor], *, world: 
                wait_ready: Callable[[int], None], timeout_s: float) -> None:
     """Rank 0's part: each bucket to rank 1 as soon as it is ready, then the last
     member's acknowledgement."""
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("send_chain: gloo's point-to-point ops take host tensors only")
     ack = torch.zeros(1, dtype=torch.uint8)
     ack_work = group.recv([ack], world - 1, len(tensors))
     sends = []
@@ -60,14 +62,19 @@ def send_chain(group: dist.ProcessGroup, tensors: list[torch.Tensor], *, world: 
 def receive_chain(group: dist.ProcessGroup, tensors: list[torch.Tensor], *, rank: int, world: int,
                   timeout_s: float) -> None:
     """A member's part: receive every bucket from rank - 1 into `tensors` (the actor's
-    parameter storage) and forward each one to rank + 1 as soon as it has arrived."""
-    receives = [group.recv([tensor], rank - 1, i) for i, tensor in enumerate(tensors)]
+    parameter storage) and forward each one to rank + 1 as soon as it has arrived.
+    gloo's point-to-point ops read and write raw host pointers (its broadcast stages
+    device tensors, they do not), so buckets on a GPU go through host buffers."""
+    host = [t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype) for t in tensors]
+    receives = [group.recv([h], rank - 1, i) for i, h in enumerate(host)]
     sends = []
     last = rank == world - 1
-    for i, tensor in enumerate(tensors):
+    for i, (tensor, h) in enumerate(zip(tensors, host)):
         await_bucket(receives[i], timeout_s)
+        if h is not tensor:
+            tensor.copy_(h)
         if not last:
-            sends.append(group.send([tensor], rank + 1, i))
+            sends.append(group.send([h], rank + 1, i))
     if last:
         sends.append(group.send([torch.ones(1, dtype=torch.uint8)], 0, len(tensors)))
     wait_all(sends, timeout_s)
