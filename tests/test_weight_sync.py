@@ -6,8 +6,7 @@ import time
 import pytest
 import torch
 
-from async_rl.weight_sync import schedule
-from async_rl.weight_sync import SyncAbandoned, WeightBroadcaster, WeightReceiver, plan_buckets
+from async_rl.weight_sync import SyncAbandoned, WeightBroadcaster, WeightReceiver, plan_buckets, schedule
 from async_rl.weight_sync.plan import sync_bucket_bytes
 from async_rl.weight_sync.schedule import chained
 

@@ -5,7 +5,8 @@ forwards bucket i-1 to rank 2, and so on down the ranks. Every member posts all 
 receives up front, so a bucket never waits for its receiver to come back from Python.
 The last member acknowledges with one byte to rank 0, so rank 0 counts a sync as
 complete only once the whole chain has it. If a member dies, the members after it see
-their receives fail. The member before it sees its forward fail.
+their receives fail. The member before it sees its forward fail, unless its sends
+were already written to the socket, and rank 0 misses the acknowledgement.
 
 Why not gloo's broadcast per bucket: gloo's broadcast is a binomial tree and is not
 pipelined. Rank 0 writes every byte once per child, all from one thread. On loopback
