@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,14 @@ def running_coordinator(run_dir: Path, config: dict):
         coord.stop(drain_s=0.2)
         bc.close()
         ctx.destroy(linger=0)
+
+
+def wait_for_job(bc, members, newer_than=0, timeout=15.0):
+    """The broadcaster's job once it serves `members` in an epoch after `newer_than`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        job = bc.job()
+        if job is not None and job.members == tuple(members) and job.epoch > newer_than:
+            return job
+        time.sleep(0.01)
+    raise AssertionError(f"no broadcast job for members {members} within {timeout}s")

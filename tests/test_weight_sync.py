@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from conftest import wait_for_job
 
 from async_rl.weight_sync import SyncAbandoned, WeightBroadcaster, WeightReceiver, plan_buckets, schedule
 from async_rl.weight_sync.plan import sync_bucket_bytes
@@ -66,13 +67,8 @@ def test_broadcast_reaches_all_receivers_and_follows_membership(members):
     try:
         bc.set_members(members)
         bc.publish(5, iter(source))
-        job = None
-        for _ in range(200):
-            job = bc.job()
-            if job is not None:
-                break
-            time.sleep(0.01)
-        assert job is not None and job.version == 5 and job.members == members
+        job = wait_for_job(bc, members)
+        assert job.version == 5
         assert chained("gloo", len(bc.plan), len(members) + 1)
 
         def receive(actor_id):
@@ -108,17 +104,6 @@ def test_missing_member_fails_with_timeout_instead_of_hanging():
         assert bc.failures >= 1
     finally:
         bc.close()
-
-
-def wait_for_job(bc, members, newer_than=0, timeout=15.0):
-    """The broadcaster's job once it serves `members` in an epoch after `newer_than`."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        job = bc.job()
-        if job is not None and job.members == tuple(members) and job.epoch > newer_than:
-            return job
-        time.sleep(0.01)
-    raise AssertionError(f"no broadcast job for members {members} within {timeout}s")
 
 
 def receive(receiver, job, actor_id, bc):

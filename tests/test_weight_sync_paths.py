@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import transformers
+from conftest import wait_for_job
 
 from async_rl.config import ConfigError, build_config
 from async_rl.engines.torch_engine import TorchEngine
@@ -142,12 +143,10 @@ def test_a_vllm_run_refuses_torch_receivers_at_once():
     try:
         bc.set_members([1])
         bc.publish(1, iter(source))
-        deadline = time.time() + 5
-        while bc.job() is None and time.time() < deadline:
-            time.sleep(0.005)
+        job = wait_for_job(bc, [1])
         started = time.monotonic()
         with pytest.raises(SyncAbandoned):
-            receiver.receive(epoch=bc.job().epoch, rank=1, world_size=2, store_host=bc.host, store_port=bc.port)
+            receiver.receive(epoch=job.epoch, rank=1, world_size=2, store_host=bc.host, store_port=bc.port)
         assert time.monotonic() - started < 5 and receiver.intact
     finally:
         bc.close(wait_s=5)
@@ -192,10 +191,7 @@ def test_cuda_ipc_actor_on_the_learners_gpu_gets_the_weights():
     try:
         bc.set_members([1])
         bc.publish(1, iter(source))
-        deadline = time.time() + 30
-        while bc.job() is None and time.time() < deadline:
-            time.sleep(0.01)
-        parent.send(bc.job().epoch)
+        parent.send(wait_for_job(bc, [1]).epoch)
         assert parent.poll(60)
         transport, got = parent.recv()
         assert transport == "cuda_ipc" and bc.group is None  # no NCCL group: one GPU
@@ -220,9 +216,7 @@ def test_nccl_broadcast_from_the_side_stream():
             torch.cuda.set_device(1)
             params = [(n, torch.zeros(64, device="cuda:1")) for n, _ in source]
             receiver = WeightReceiver(params, bucket_mb=256 / 2**20, backend="nccl", timeout_s=30)
-            while bc.job() is None:
-                time.sleep(0.01)
-            job = bc.job()
+            job = wait_for_job(bc, [1])
             receiver.receive(epoch=job.epoch, rank=1, world_size=2, store_host=bc.host, store_port=bc.port)
             assert receiver.transport == "nccl"
             assert all(torch.equal(p.cpu(), s.cpu()) for (_, p), (_, s) in zip(params, source))
@@ -256,9 +250,7 @@ def test_gloo_chain_with_gpu_buckets_on_both_ends():
             torch.cuda.set_device(0)
             params = [(n, torch.zeros(64, device=device)) for n, _ in source]
             receivers[actor_id] = WeightReceiver(params, bucket_mb=256 / 2**20, backend="gloo", timeout_s=30)
-            while bc.job() is None:
-                time.sleep(0.01)
-            job = bc.job()
+            job = wait_for_job(bc, [1, 2])
             receivers[actor_id].receive(epoch=job.epoch, rank=job.rank_of(actor_id), world_size=3,
                                         store_host=bc.host, store_port=bc.port)
             assert receivers[actor_id].transport == "gloo"
