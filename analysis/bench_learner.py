@@ -30,6 +30,8 @@ halving; so do we). Only real tokens count: padding is not useful work, and
 activation-checkpointing recompute is not counted either (that would be HFU). The
 learner also scores only response tokens through the vocabulary projection when
 packing; the convention still counts 6N for every token.
+With shared prompts (`shared` variants) each group's prompt is computed once, so
+"tokens" and the FLOPs count it once: the figures are of the work actually done.
 MFU = FLOPs / step time / (peak * ranks). --peak-tflops is per device, default 989 =
 NVIDIA's H100/H200 SXM dense BF16 tensor-core peak (989.4 TFLOPS, without sparsity);
 on CPU mfu is null (no meaningful peak).
@@ -40,7 +42,7 @@ sample, sampling exactly --gen-tokens new tokens (no EOS in the config, so no ro
 stops early); tokens/s = generated tokens / wall time of `generate`.
 
 Output: one JSON object per line on stdout:
-  {"kind": "learner", "variant", "pack", "activation_checkpointing", "precision",
+  {"kind": "learner", "variant", "pack", "share_prompt", "activation_checkpointing", "precision",
    "device", "ranks", "params", "sequences", "tokens", "padded_tokens", "flops_per_step",
    "step_s" (median), "steps_s" (all), "tokens_per_s", "tflops" (per device), "mfu"}
   {"kind": "generate", "device", "precision", "params", "prompts", "new_tokens",
@@ -70,7 +72,9 @@ QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                   intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             intermediate_size=256, vocab_size=16, max_position_embeddings=64, tie_word_embeddings=True)
-VARIANTS = {"padded": (False, False), "packed": (True, False), "padded+ac": (False, True), "packed+ac": (True, True)}
+# name -> (learner.pack, learner.share_prompt, learner.activation_checkpointing)
+VARIANTS = {"padded": (False, False, False), "packed": (True, False, False), "shared": (True, True, False),
+            "padded+ac": (False, False, True), "packed+ac": (True, False, True), "shared+ac": (True, True, True)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -135,7 +139,7 @@ def synthetic_batch(args, vocab: int):
             prompt_tokens=rng.integers(1, vocab, size=int(rng.integers(p0, p1 + 1))).astype(np.int32),
             response_tokens=rng.integers(1, vocab, size=(G, r1)).astype(np.int32), response_lengths=lengths,
             logprobs=(-rng.random((G, r1)) * 3).astype(np.float32), rewards=rng.integers(0, 2, size=G).astype(np.float32),
-            greedy_reward=None))
+            greedy_reward=None, truncated=(lengths == r1).astype(np.uint8)))
     return build_batch(groups, pad_id=0)
 
 
@@ -164,13 +168,16 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
     local = batch.rows(rank * per, (rank + 1) * per)
     local = type(local)(**{k: v.to(device) for k, v in vars(local).items()})
     lengths = batch.attention.sum(-1)
+    # With shared prompts a group is one sequence of its prompt and all its responses.
+    trees = (batch.prompt_len.view(-1, args.group_size)[:, 0]
+             + (lengths - batch.prompt_len).view(-1, args.group_size).sum(-1))
     mesh = init_device_mesh(device.type, (world,))
     out = []
     for variant in args.variants:
-        pack, ac = VARIANTS[variant]
+        pack, share, ac = VARIANTS[variant]
         cfg = build_config({
             "train": {"batch_groups": args.groups, "group_size": args.group_size, "loss": "ppo", "advantage": "grpo"},
-            "learner": {"ranks": world, "micro_batch_size": args.micro_batch_size, "pack": pack,
+            "learner": {"ranks": world, "micro_batch_size": args.micro_batch_size, "pack": pack, "share_prompt": share,
                         "micro_batch_tokens": args.micro_batch_tokens, "precision": args.precision,
                         "pack_row_tokens": args.pack_row_tokens,
                         "activation_checkpointing": ac}})
@@ -189,14 +196,16 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
             dist.barrier()  # the step ends when the slowest rank is done
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
-        flops = step_flops(n_params, mcfg.num_hidden_layers, mcfg.hidden_size, lengths)
+        computed = trees if share else lengths
+        flops = step_flops(n_params, mcfg.num_hidden_layers, mcfg.hidden_size, computed)
         step_s = statistics.median(times)
         tflops = flops / step_s / world / 1e12
-        out.append({"kind": "learner", "variant": variant, "pack": pack, "activation_checkpointing": ac,
+        out.append({"kind": "learner", "variant": variant, "pack": pack, "share_prompt": share,
+                    "activation_checkpointing": ac,
                     "precision": args.precision, "device": device.type, "ranks": world, "params": n_params,
-                    "sequences": int(batch.tokens.shape[0]), "tokens": int(lengths.sum()),
+                    "sequences": int(batch.tokens.shape[0]), "tokens": int(computed.sum()),
                     "padded_tokens": int(batch.tokens.numel()), "flops_per_step": flops, "step_s": step_s,
-                    "steps_s": times, "tokens_per_s": float(lengths.sum()) / step_s, "tflops": tflops,
+                    "steps_s": times, "tokens_per_s": float(computed.sum()) / step_s, "tflops": tflops,
                     "mfu": tflops / args.peak_tflops if device.type == "cuda" else None})
         del models, policy, model
         if device.type == "cuda":

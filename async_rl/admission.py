@@ -7,26 +7,39 @@ weights of version v only while i < (eta + v + 1) * B; hence
 floor(i / B) - v <= eta: no sample can be consumed more than eta versions after the
 weights that generated it. The actor's *own* version is used, not the learner's,
 because actors may lag the learner between weight syncs.
+
+A slot whose prompt is skipped (longer than the prompt limit) is never generated nor
+consumed, so it does not count: i above is the slot's rank among the slots that are
+not skipped. Counting skipped slots would shrink the window until, with enough long
+prompts in a row, no batch could ever fill.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_left, insort
+from dataclasses import dataclass, field
 
 
 @dataclass
 class Admission:
     max_staleness: int
     batch_groups: int
-    admitted: int = 0  # groups granted so far == next admission index
+    admitted: int = 0  # slots handed out so far == next admission index
+    skipped: list[int] = field(default_factory=list)  # sorted slots whose prompt was skipped
+
+    def _limit(self, actor_version: int) -> int:
+        return (self.max_staleness + actor_version + 1) * self.batch_groups
 
     def allows(self, index: int, actor_version: int) -> bool:
         """May slot `index` be generated with weights of `actor_version`? (re-issues)"""
-        return index < (self.max_staleness + actor_version + 1) * self.batch_groups
+        return index - bisect_left(self.skipped, index) < self._limit(actor_version)
 
     def capacity(self, actor_version: int) -> int:
         """How many more groups an actor at `actor_version` may be granted now."""
-        limit = (self.max_staleness + actor_version + 1) * self.batch_groups
-        return max(0, limit - self.admitted)
+        return max(0, self._limit(actor_version) - (self.admitted - len(self.skipped)))
+
+    def skip(self, index: int) -> None:
+        """Slot `index` (admitted) will never be generated."""
+        insort(self.skipped, index)
 
     def admit(self, actor_version: int, wanted: int) -> range:
         """Grant up to `wanted` groups; returns their admission indices."""

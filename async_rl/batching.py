@@ -25,6 +25,8 @@ class Batch:
     rewards: torch.Tensor      # float32 [N]
     baselines: torch.Tensor    # float32 [N], ReMax greedy-response reward (NaN when not computed)
     group: torch.Tensor        # int64 [N], group index within the batch
+    prompt_len: torch.Tensor   # int64 [N], prompt tokens at the start of the row
+    truncated: torch.Tensor    # int64 [N], 1 = the response was cut at the length limit
 
     def rows(self, start: int, stop: int) -> "Batch":
         return Batch(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
@@ -38,7 +40,7 @@ def build_batch(groups, pad_id: int) -> Batch:
         for j in range(g.response_tokens.shape[0]):
             n = int(g.response_lengths[j])
             rows.append((prompt, g.response_tokens[j, :n].astype(np.int64), g.logprobs[j, :n],
-                         float(g.rewards[j]), g_index, g.greedy_reward))
+                         float(g.rewards[j]), g_index, g.greedy_reward, int(g.truncated[j])))
     N = len(rows)
     L = max(len(p) + len(r) for p, r, *_ in rows)
     L = max(L, 2)
@@ -49,7 +51,9 @@ def build_batch(groups, pad_id: int) -> Batch:
     rewards = np.zeros(N, dtype=np.float32)
     baselines = np.full(N, np.nan, dtype=np.float32)
     group = np.zeros(N, dtype=np.int64)
-    for i, (prompt, resp, lp, reward, g_index, greedy_reward) in enumerate(rows):
+    prompt_len = np.zeros(N, dtype=np.int64)
+    truncated = np.zeros(N, dtype=np.int64)
+    for i, (prompt, resp, lp, reward, g_index, greedy_reward, cut) in enumerate(rows):
         P, R = len(prompt), len(resp)
         tokens[i, :P] = prompt
         tokens[i, P:P + R] = resp
@@ -57,11 +61,12 @@ def build_batch(groups, pad_id: int) -> Batch:
         # Response token k sits at position P+k and is predicted at position P+k-1.
         loss_mask[i, P - 1:P - 1 + R] = 1.0
         logp_behav[i, P - 1:P - 1 + R] = lp
-        rewards[i], group[i] = reward, g_index
+        rewards[i], group[i], prompt_len[i], truncated[i] = reward, g_index, P, cut
         if greedy_reward is not None:
             baselines[i] = greedy_reward
     t = torch.from_numpy
-    return Batch(t(tokens), t(attention), t(loss_mask), t(logp_behav), t(rewards), t(baselines), t(group))
+    return Batch(t(tokens), t(attention), t(loss_mask), t(logp_behav), t(rewards), t(baselines), t(group),
+                 t(prompt_len), t(truncated))
 
 
 def order_for_ranks(batch: Batch, group_size: int, world: int, minibatches: int) -> Batch:
@@ -88,8 +93,9 @@ def scatter_batch(batch: Batch | None, rank: int, world: int, device: torch.devi
     N, L = int(header[0]), int(header[1])
     per_rank = N // world
     shapes = {"tokens": (L,), "attention": (L,), "loss_mask": (L - 1,), "logp_behav": (L - 1,),
-              "rewards": (), "baselines": (), "group": ()}
-    dtypes = {"tokens": torch.int64, "attention": torch.int64, "group": torch.int64}
+              "rewards": (), "baselines": (), "group": (), "prompt_len": (), "truncated": ()}
+    dtypes = {"tokens": torch.int64, "attention": torch.int64, "group": torch.int64, "prompt_len": torch.int64,
+              "truncated": torch.int64}
     out = {}
     for name, tail in shapes.items():
         local = torch.empty((per_rank, *tail), dtype=dtypes.get(name, torch.float32), device=device)

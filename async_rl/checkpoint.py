@@ -104,11 +104,22 @@ def read_groups(path: Path) -> list[tuple[int, int, object]]:
         return [(int(index), int(version), decode(frames, limits)) for index, version, frames in unpacker]
 
 
-def save_hf_model(model: torch.nn.Module, tokenizer, out_dir: Path) -> None:
-    """Save a plain (unsharded) HF model with its tokenizer, atomically."""
+def save_hf_model(params, source: str | Path, tokenizer, out_dir: Path) -> None:
+    """Write an HF model directory, atomically: the (name, full tensor) stream `params`
+    as model.safetensors, with the config and generation config of the model directory
+    `source` (the architecture the parameters belong to) and `tokenizer`. Tied weights
+    appear once in `params` and are re-tied on load, as `save_pretrained` does."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, GenerationConfig
+
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.mkdir(parents=True)
+    save_file({name: t.detach().cpu().contiguous() for name, t in params}, tmp / "model.safetensors",
+              metadata={"format": "pt"})
+    AutoConfig.from_pretrained(str(source)).save_pretrained(tmp)
+    if (Path(source) / "generation_config.json").exists():
+        GenerationConfig.from_pretrained(str(source)).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)

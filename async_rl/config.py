@@ -30,12 +30,15 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["arithmetic", "jsonl"] = Field("arithmetic", description="Prompt source: built-in `arithmetic` (a+b=) or `jsonl` (lines with `prompt` and `answer`).")
+    name: Literal["arithmetic", "word_problems", "jsonl"] = Field("arithmetic", description="Prompt source: built-in `arithmetic` (a+b=, for the demo model), built-in `word_problems` (arithmetic and one-step word problems in English, for chat models) or `jsonl` (lines with `answer` and either `prompt` or `messages`).")
     digits: int = Field(2, ge=1, le=6, description="arithmetic: digits per operand.")
-    eval_size: int = Field(256, ge=1, description="arithmetic: number of held-out evaluation prompts (jsonl: see eval_path).")
+    eval_size: int = Field(256, ge=1, description="arithmetic, word_problems: number of held-out prompts, never trained on (jsonl: see eval_path).")
     train_path: str | None = Field(None, description="jsonl: training prompts file.")
-    eval_path: str | None = Field(None, description="jsonl: held-out prompts file (default: a held-out slice of train_path).")
-    reward: str | None = Field(None, description="jsonl: reward function as `module:function(prompt, response, answer) -> float`.")
+    eval_path: str | None = Field(None, description="jsonl: held-out prompts file (default: a held-out 10% of train_path).")
+    reward: str | None = Field(None, description="Reward function `f(prompt, response, answer) -> float`: a built-in name (`exact_match`, `last_number`, `boxed`, `gsm8k`, `math_verify`), `module:function` importable from the working directory, or `path/to/file.py:function`. Required for jsonl; overrides a built-in task's own reward.")
+    chat_template: bool | Literal["auto"] = Field("auto", description="Render prompts with the tokenizer's chat template (a user turn plus the assistant's generation prompt): `auto` = when the tokenizer has one; `true` fails when it has none; `false` = plain text.")
+    system_prompt: str | None = Field(None, description="With a chat template: a system turn put before prompts that have none (null = the template's own default, if any).")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Longer prompts (after the template) are skipped, counted (data/prompts_skipped) and logged, never generated; null = the model's context length minus actors.max_new_tokens.")
 
 
 class ActorsConfig(_Section):
@@ -44,7 +47,8 @@ class ActorsConfig(_Section):
     groups_per_request: int = Field(8, ge=1, description="Prompt groups an actor asks for (and generates as one batch) per request.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature; recorded log-probs are under the tempered distribution.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
-    max_new_tokens: int = Field(8, ge=1, description="Response length limit.")
+    max_new_tokens: int = Field(8, ge=1, description="Response length limit; a response cut there is flagged truncated (train/truncated_frac, train.overlong).")
+    stop: list[str] = Field(default_factory=list, description="Stop strings: a response ends once its text contains one (the token completing it is kept). The stop token ids need no setting: every EOS id of the model config, generation_config.json and the tokenizer stops a response.")
     threads: int = Field(1, ge=1, description="torch intra-op threads per actor (CPU).")
     heartbeat_s: float = Field(1.0, gt=0.0, description="Seconds between actor heartbeats.")
     heartbeat_timeout_s: float = Field(30.0, gt=0.0, description="An actor silent this long is declared dead.")
@@ -56,6 +60,7 @@ class LearnerConfig(_Section):
     micro_batch_size: int = Field(256, ge=1, description="Sequences per forward/backward on one rank (gradient accumulation beyond).")
     micro_batch_tokens: int | None = Field(None, ge=1, description="Token budget per micro-batch instead of micro_batch_size: whole groups are added while they fit (real tokens with learner.pack, rows x longest row without); null = use micro_batch_size.")
     pack: bool = Field(True, description="Padding-free micro-batches: sequences laid end to end with per-sequence position_ids (block-diagonal causal attention), only response tokens scored; false = right-padded rows. Same results; ~2x faster steps when lengths vary (CPU, analysis/bench_learner.py). A model that fails the learner's one-time packed-vs-padded check trains padded, with a warning.")
+    share_prompt: bool = Field(True, description="learner.pack: lay out each group as its prompt followed by its responses, with an attention mask that lets every response see the prompt and itself only: the prompt is computed once per group instead of group_size times, with the same log-probs and gradients (sdpa/eager attention; others pack without sharing, with a warning).")
     pack_row_tokens: int | None = Field(None, ge=1, description="learner.pack: packed row length (null = the micro-batch's longest sequence, so sdpa's masked attention never costs more than padded; flash-attention packs one row).")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="FSDP2 mixed precision: bf16 = bf16 compute (params all-gathered in bf16), fp32 gradient reduction, fp32 master weights and optimizer state; log-softmax and losses always fp32.")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in backward (non-reentrant torch.utils.checkpoint via transformers), trading ~1 extra forward for activation memory.")
@@ -79,6 +84,12 @@ class KLConfig(_Section):
     coef: float = Field(0.0, ge=0.0, description="Weight of the KL to the frozen initial (reference) policy; 0 = no reference model.")
     estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Schulman's per-token KL estimator.")
     mode: Literal["loss", "reward"] = Field("loss", description="`loss`: coef*KL added to the loss (GRPO); `reward`: -coef*KL per token in the reward (REINFORCE++/RLHF), computed on the behavior log-probs.")
+
+
+class OverlongConfig(_Section):
+    filter: bool = Field(False, description="DAPO overlong filtering: responses cut at actors.max_new_tokens get no loss (they still count in their group's baseline).")
+    penalty_tokens: int = Field(0, ge=0, description="DAPO soft overlong punishment: over the last this many tokens before actors.max_new_tokens the reward falls linearly by up to train.overlong.penalty (0 = off).")
+    penalty: float = Field(1.0, ge=0.0, description="Largest overlong penalty, reached at actors.max_new_tokens.")
 
 
 class CriticConfig(_Section):
@@ -107,6 +118,7 @@ class TrainConfig(_Section):
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     opmd: OPMDConfig = Field(default_factory=OPMDConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
 
 
@@ -120,11 +132,17 @@ class SyncConfig(_Section):
 
 
 class EvalConfig(_Section):
-    every: int = Field(10, ge=0, description="Greedy held-out evaluation every this many steps (0 = only first and last).")
+    every: int = Field(10, ge=0, description="Held-out evaluation every this many steps (0 = only first and last). The actors run it (one policy version per round, logged at that version), so the learner never waits for it.")
+    size: int | None = Field(256, ge=1, description="Held-out prompts per evaluation: the first this many of the task's held-out set (null = all).")
+    batch_size: int = Field(64, ge=1, description="Held-out prompts per actor request (a chunk must finish within sync.timeout_s, as a generation batch must).")
+    max_new_tokens: int | None = Field(None, ge=1, description="Response length limit in evaluation (null = actors.max_new_tokens).")
+    temperature: float = Field(0.0, ge=0.0, description="Evaluation sampling temperature; 0 = greedy.")
+    pass_k: int = Field(1, ge=1, description="Samples per held-out prompt; > 1 (with temperature > 0) also logs eval/pass@k, the fraction of prompts with a correct sample.")
 
 
 class MetricsConfig(_Section):
     text_every: int = Field(10, ge=0, description="Write a few of the batch's generations (prompt, response, reward, version) to TensorBoard's text tab every this many steps (0 = never).")
+    warn_after_steps: int = Field(10, ge=1, description="Warn once (one line with the likely cause) when most responses are one token long, or every group has the same reward for all its samples, this many steps in a row.")
 
 
 class CheckpointConfig(_Section):
@@ -178,6 +196,10 @@ class Config(_Section):
                              f"of whole groups")
         if self.train.loss == "opmd" and self.train.advantage in ("remax", "gae"):
             raise ValueError(f"train.advantage: {self.train.advantage} needs train.loss=ppo (opmd uses rewards directly)")
+        if self.eval.pass_k > 1 and self.eval.temperature == 0.0:
+            raise ValueError("eval.pass_k: greedy decoding gives k identical samples; set eval.temperature > 0")
+        if self.train.overlong.penalty_tokens >= self.actors.max_new_tokens:
+            raise ValueError(f"train.overlong.penalty_tokens: must be below actors.max_new_tokens={self.actors.max_new_tokens}")
         if self.task.name == "jsonl" and (not self.task.train_path or not self.task.reward):
             key = "task.train_path" if not self.task.train_path else "task.reward"
             raise ValueError(f"{key}: required when task.name=jsonl")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -18,10 +19,11 @@ from pathlib import Path
 
 from .checkpoint import latest_checkpoint
 from .config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
-from .runtime import make_task_from_config, read_status
+from .runtime import make_prompt_format, make_task_from_config, read_status
 
 log = logging.getLogger("async_rl.launch")
 GRACE_S = 30.0
+HUB_START_S = 300.0
 # A resumed run must keep these: they define the prompt stream, the admission slots,
 # the shape of buffered groups and which models the checkpoint holds.
 RESUME_FIXED = ("seed", "model.path", "task", "train.batch_groups", "train.group_size", "train.advantage")
@@ -74,8 +76,44 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
         cfg.model.path = str(target)
     elif not (Path(cfg.model.path) / "config.json").exists():
         raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json)")
+    check_task(cfg)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     return run_dir
+
+
+def check_task(cfg: Config) -> None:
+    """Build the task, its prompt format and its reward as every process will, and call
+    the reward on a sample, so that user code and data fail here in one line (exit 2)
+    instead of in every spawned process. A reward given as a file path is made absolute."""
+    spec = cfg.task.reward
+    if spec and ".py:" in spec and not Path(spec.rsplit(":", 1)[0]).is_absolute():
+        file, fn = spec.rsplit(":", 1)
+        cfg.task.reward = f"{Path(file).resolve()}:{fn}"
+    try:
+        task = make_task_from_config(cfg)
+        prompt_format = make_prompt_format(cfg)
+        samples = [task.train_prompt(0), *task.eval_prompts()[:1]]
+        for prompt in samples:
+            prompt_format.encode(prompt)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"task: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    if cfg.task.chat_template is False and prompt_format.tokenizer.chat_template:
+        log.warning("task.chat_template=false, but the tokenizer has a chat template: a chat model usually needs it")
+    for prompt in samples:
+        for response in (prompt.answer, ""):
+            try:
+                value = task.reward(prompt.text, response, prompt.answer)
+            except Exception as err:  # user code: any failure is a config error here
+                raise ConfigError(f"task.reward: {spec or 'the task reward'} raised {type(err).__name__}: "
+                                  f"{str(err).splitlines()[0] if str(err) else ''} on a sample (response "
+                                  f"{response!r:.40}, answer {prompt.answer!r:.40})") from None
+            try:
+                finite = not isinstance(value, (str, bytes)) and math.isfinite(float(value))
+            except (TypeError, ValueError):
+                finite = False
+            if not finite:
+                raise ConfigError(f"task.reward: {spec or 'the task reward'} returned {value!r:.40} on a sample; "
+                                  f"a reward must be a finite number")
 
 
 def prepare(cfg: Config, resume: str | None = None) -> tuple[Path, Path | None]:
@@ -98,7 +136,10 @@ def _wait_for_hub(run_dir: Path, learner: subprocess.Popen, timeout_s: float) ->
 
 
 def _child_env(threads: int) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    # The working directory goes on the children's path, so a reward module next to the
+    # config (`task.reward: my_rewards:score`) imports in the learner and actors as in prepare.
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", PYTHONPATH=path)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 
@@ -141,7 +182,8 @@ def train(cfg: Config, resume: str | None = None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        hub = _wait_for_hub(run_dir, learner, timeout_s=cfg.learner.timeout_s)
+        # Loading a large model comes before the hub: give start-up at least HUB_START_S.
+        hub = _wait_for_hub(run_dir, learner, timeout_s=max(cfg.learner.timeout_s, HUB_START_S))
         for i in range(cfg.actors.count):
             out = open(logs / f"actor-{i}.log", "ab")
             actors.append(subprocess.Popen(

@@ -44,7 +44,8 @@ CUSTOM_SCALARS = {
     },
     "throughput": {
         "samples/s": ["Multiline", [r"^throughput/samples_per_s$"]],
-        "generated tokens/s": ["Multiline", [r"^throughput/gen_tokens_per_s$"]],
+        "tokens/s (learner consumed, one actor generating)": ["Multiline", [r"^throughput/gen_tokens_per_s$",
+                                                                             r"^actors/gen_tokens_per_s$"]],
         "learner idle fraction": ["Multiline", [r"^learner/idle_frac$"]],
         "actor generation seconds per group": ["Multiline", [r"^actors/gen_seconds_per_group$"]],
     },
@@ -55,6 +56,9 @@ CUSTOM_SCALARS = {
     "sync": {
         "weight sync seconds": ["Multiline", [r"^sync/seconds$", r"^sync/broadcast_seconds$"]],
         "live actors": ["Multiline", [r"^actors/live$"]],
+    },
+    "memory": {
+        "peak resident memory (GiB)": ["Multiline", [r"^memory/"]],
     },
 }
 
@@ -99,13 +103,14 @@ def _cell(text: str) -> str:
     return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ") or " "
 
 
-def generations_table(groups: Sequence[Any], tokenizer, rows: int = GENERATION_ROWS) -> str:
-    """The first response of the batch's first `rows` groups, as a markdown table."""
+def generations_table(groups: Sequence[Any], prompt_format, rows: int = GENERATION_ROWS) -> str:
+    """The first response of the batch's first `rows` groups, as a markdown table; the
+    text as the model saw and wrote it (special tokens kept, a cut response marked)."""
     lines = ["| prompt | response | reward | version |", "|---|---|---|---|"]
     for g in groups[:rows]:
-        prompt = tokenizer.decode(np.asarray(g.prompt_tokens).tolist(), skip_special_tokens=True)
-        response = tokenizer.decode(g.response_tokens[0, :int(g.response_lengths[0])].tolist(),
-                                    skip_special_tokens=True)
+        prompt = prompt_format.display(np.asarray(g.prompt_tokens).tolist(), truncated=False)
+        response = prompt_format.display(g.response_tokens[0, :int(g.response_lengths[0])].tolist(),
+                                         truncated=bool(g.truncated[0]))
         lines.append(f"| {_cell(prompt)} | {_cell(response)} | {float(g.rewards[0]):.3g} | {g.version} |")
     return "\n".join(lines)
 

@@ -21,6 +21,20 @@ holds. Rows are therefore as long as the micro-batch's longest sequence (never m
 attention work than the padded forward) unless `learner.pack_row_tokens` asks for
 longer ones; with flash-attention (varlen, cost sum(len^2)) one row holds all.
 
+Shared prompts (`learner.share_prompt`, sdpa/eager attention). The G responses of a
+group share one prompt, and in RL fine-tuning of chat models the prompt (template,
+system turn, question) is often longer than a response: G copies of it are most of
+the batch's tokens. So each group is laid out once as a tree, `prompt r_1 ... r_G`,
+with the positions each token has in its own padded row (r_j continues after the
+prompt) and a custom 4-D attention mask (transformers passes one through as is):
+a token sees the prompt and the earlier tokens of its own response, nothing else.
+Every response token then sees exactly what it sees in its padded row, so log-probs
+and gradients are those of the padded forward (the prompt's activations receive the
+gradients of all G responses, which is what the G copies receive in sum), at the cost
+of P + sum(R_j) tokens per group instead of G * P + sum(R_j). The one token that
+predicts every response's first token is the prompt's last: its logits are used G
+times.
+
 Only the positions that predict a response token reach the vocabulary projection
 (`logits_to_keep`) and the log-softmax: on a 150k vocabulary the [tokens, V] logits
 are the largest activation of the step. Log-probs elsewhere are 0; every consumer
@@ -38,22 +52,24 @@ from .batching import Batch
 
 
 def micro_batches(attention: torch.Tensor, start: int, stop: int, group_size: int, rows: int,
-                  tokens: int | None, pack: bool) -> list[tuple[int, int]]:
+                  tokens: int | None, pack: bool, prompt_len: torch.Tensor | None = None) -> list[tuple[int, int]]:
     """[start, stop) cut into (start, stop) micro-batches of whole groups: `rows` rows
     each (a multiple of group_size), or, with a token budget, as many groups as fit
-    it (at least one)."""
+    it (at least one). `prompt_len` (packed, shared prompts): a group's prompt counts once."""
     if tokens is None:
         return [(s, min(s + rows, stop)) for s in range(start, stop, rows)]
     lengths = attention[start:stop].sum(-1).tolist()
+    shared = [0] * (stop - start) if prompt_len is None else prompt_len[start:stop].tolist()
     out, first, used, width = [], start, 0, 0
     for g in range(start, stop, group_size):
         glen = lengths[g - start:g - start + group_size]
+        real = sum(glen) - (group_size - 1) * shared[g - start]
         # Padded forwards compute rows x longest row; packed ones only real tokens.
-        cost = (used + sum(glen)) if pack else (g + group_size - first) * max(width, *glen)
+        cost = (used + real) if pack else (g + group_size - first) * max(width, *glen)
         if g > first and cost > tokens:
             out.append((first, g))
             first, used, width = g, 0, 0
-        used, width = used + sum(glen), max(width, *glen)
+        used, width = used + real, max(width, *glen)
     out.append((first, stop))
     return out
 
@@ -66,6 +82,7 @@ class Packed:
     source: torch.Tensor     # int64 [T] flat index into the [R, K] kept logits, per scored token
     need: torch.Tensor       # bool [n, L-1] the scored positions of the padded layout
     targets: torch.Tensor    # int64 [T] the token each scored position predicts
+    mask: torch.Tensor | None = None  # bool [R, 1, C, C] shared prompts: who sees whom (True = attends)
 
 
 def _first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -82,21 +99,35 @@ def _first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[np.ndarray
     return row, offset, capacity - free
 
 
-def pack(batch: Batch, pad_id: int = 0, row_tokens: int | None = None, one_row: bool = False) -> Packed:
-    """Lay the micro-batch's sequences (right-padded rows) out in packed rows."""
+def pack(batch: Batch, pad_id: int = 0, row_tokens: int | None = None, one_row: bool = False,
+         group_size: int | None = None) -> Packed:
+    """Lay the micro-batch's sequences (right-padded rows) out in packed rows; with
+    `group_size`, each run of that many rows (one group, one prompt) as one tree."""
     n, L = batch.tokens.shape
     dev = batch.tokens.device
     lengths = batch.attention.sum(-1)
-    len_list = lengths.tolist()
-    total = max(sum(len_list), 1)
-    # Never longer than all the tokens: a longer row would only add tail padding.
-    capacity = total if one_row else max(max(len_list), min(row_tokens or 0, total), 1)
-    row, offset, used = _first_fit_decreasing(len_list, capacity)
-    R = len(used)
-    start = torch.from_numpy(row * capacity + offset).to(dev)          # flat start of each sequence
     cols = torch.arange(L, device=dev)
-    dest = start[:, None] + cols[None, :]                                # [n, L] flat packed index
     real = cols[None, :] < lengths[:, None]
+    if group_size is None:  # every row its own sequence, placed whole
+        units, within, prompt = lengths.tolist(), torch.zeros(n, dtype=torch.long, device=dev), None
+    else:
+        prompt = batch.prompt_len
+        resp = lengths - prompt
+        groups = resp.view(-1, group_size)
+        # A response starts after its group's prompt and the responses before it.
+        within = (groups.cumsum(-1) - groups).reshape(-1)
+        units = (prompt.view(-1, group_size)[:, 0] + groups.sum(-1)).tolist()
+    total = max(sum(units), 1)
+    # Never longer than all the tokens: a longer row would only add tail padding.
+    capacity = total if one_row else max(max(units), min(row_tokens or 0, total), 1)
+    row, offset, used = _first_fit_decreasing(units, capacity)
+    R = len(used)
+    unit_start = torch.from_numpy(row * capacity + offset).to(dev)     # flat start of each sequence or tree
+    start = unit_start if group_size is None else unit_start.repeat_interleave(group_size)
+    # Flat packed index of every padded (row, col): a prompt column lands on its group's
+    # one copy of the prompt, a response column after the responses before it.
+    shift = within if prompt is None else torch.where(cols[None, :] < prompt[:, None], 0, within[:, None])
+    dest = start[:, None] + cols[None, :] + (shift if shift.dim() == 2 else shift[:, None])  # [n, L]
     tokens = torch.full((R * capacity,), pad_id, dtype=torch.long, device=dev)
     tokens[dest[real]] = batch.tokens[real]
     # Tails count from 0 too: a pseudo-sequence of padding that attends only to itself.
@@ -105,21 +136,59 @@ def pack(batch: Batch, pad_id: int = 0, row_tokens: int | None = None, one_row: 
     need = batch.loss_mask > 0
     flat = dest[:, :-1][need]                                            # packed position predicting each target
     keep, col = torch.unique(flat % capacity, return_inverse=True)
+    mask = None if prompt is None else _tree_mask(dest, real, prompt, group_size, R, capacity)
     return Packed(tokens.view(R, capacity), positions.view(R, capacity).clamp(min=0), keep,
-                  (flat // capacity) * keep.numel() + col, need, batch.tokens[:, 1:][need])
+                  (flat // capacity) * keep.numel() + col, need, batch.tokens[:, 1:][need], mask)
+
+
+def _tree_mask(dest: torch.Tensor, real: torch.Tensor, prompt: torch.Tensor, group_size: int, R: int,
+               capacity: int) -> torch.Tensor:
+    """[R, 1, C, C] bool: causal, within one tree, a response sees its prompt and itself."""
+    n, L = dest.shape
+    dev = dest.device
+    # Per packed position: its tree (group) and its part of the tree (0 = prompt, j+1 = response j).
+    tree = torch.full((R * capacity,), -1, dtype=torch.long, device=dev)
+    part = torch.full((R * capacity,), -1, dtype=torch.long, device=dev)
+    row_tree = torch.arange(n, device=dev) // group_size
+    row_part = torch.arange(n, device=dev) % group_size + 1
+    in_prompt = torch.arange(L, device=dev)[None, :] < prompt[:, None]
+    tree[dest[real]] = row_tree[:, None].expand(n, L)[real]
+    part[dest[real]] = torch.where(in_prompt, 0, row_part[:, None]).expand(n, L)[real]
+    tree, part = tree.view(R, capacity), part.view(R, capacity)
+    idx = torch.arange(capacity, device=dev)
+    causal = idx[None, :] <= idx[:, None]
+    same_tree = (tree[:, :, None] == tree[:, None, :]) & (tree[:, :, None] >= 0)
+    sees = (part[:, None, :] == 0) | (part[:, :, None] == part[:, None, :])
+    # Padding attends to itself only: every query row needs one key, or softmax is 0/0.
+    return ((causal[None] & same_tree & sees) | torch.eye(capacity, dtype=torch.bool, device=dev)[None])[:, None]
 
 
 def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(type(model).forward).parameters
 
 
-def packed_logits(model, batch: Batch, row_tokens: int | None = None) -> tuple[torch.Tensor, Packed]:
-    """[T, V] logits at the scored positions (response predictors), and the layout."""
-    attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
-    p = pack(batch, row_tokens=row_tokens, one_row="flash" in attn)
+def attention_kind(model) -> str:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
+
+
+def shares_prompt(model) -> bool:
+    """Shared-prompt trees need a custom mask: sdpa and eager take one, flash-attention does not."""
+    return attention_kind(model) in ("sdpa", "eager")
+
+
+def packed_logits(model, batch: Batch, row_tokens: int | None = None,
+                  group_size: int | None = None) -> tuple[torch.Tensor, Packed]:
+    """[T, V] logits at the scored positions (response predictors), and the layout;
+    `group_size`: shared-prompt trees (sdpa/eager only, see shares_prompt)."""
+    attn = attention_kind(model)
+    p = pack(batch, row_tokens=row_tokens, one_row="flash" in attn, group_size=group_size)
     kwargs = {"logits_to_keep": p.keep} if _accepts_logits_to_keep(model) else {}
+    mask = p.mask
+    if mask is not None and attn == "eager":  # eager adds the mask to the scores
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
+            ~mask, torch.finfo(torch.float32).min)
     # use_cache=False: with a KV cache, create_causal_mask does not look for packed sequences.
-    logits = model(input_ids=p.tokens, position_ids=p.positions, attention_mask=None, use_cache=False,
+    logits = model(input_ids=p.tokens, position_ids=p.positions, attention_mask=mask, use_cache=False,
                    **kwargs).logits
     if not kwargs:
         logits = logits[:, p.keep]
@@ -133,28 +202,34 @@ def scatter_scored(values: torch.Tensor, p: Packed) -> torch.Tensor:
 
 
 @torch.no_grad()
-def packing_error(model) -> float:
-    """Max |logit difference| between a padded and a packed forward of two short random
-    sequences sharing one packed row. Packing is only sound where the architecture builds
-    its attention mask with transformers' `create_causal_mask` (packed-sequence aware);
-    one whose layers carry state across tokens by other means (linear attention,
-    recurrent/Mamba layers, custom masks) would leak across the boundary. Run once on the
-    unsharded fp32 model, where a leak (~1e-2) stands far above rounding (~1e-6)."""
+def packing_error(model, shared: bool = False) -> float:
+    """Max |logit difference| at the scored positions between the padded forward and the
+    packed one, on two groups of two short random responses, all in one packed row.
+    Packing is only sound where the architecture builds its attention from transformers'
+    mask (packed-sequence aware) or, `shared` (shared prompts), honours a custom
+    4-D mask; one whose layers carry state across tokens by other means (linear attention,
+    recurrent/Mamba layers, sliding windows with masks of their own) would leak across
+    the boundaries. Run once on the unsharded fp32 model, where a leak (~1e-2) stands far
+    above rounding (~1e-6)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     vocab = int(getattr(model.config, "vocab_size", 16))
-    lengths = (5, 7)
-    tokens = torch.zeros(2, max(lengths), dtype=torch.long)
-    attention = torch.zeros_like(tokens)
-    for i, n in enumerate(lengths):
-        tokens[i, :n] = torch.randint(0, vocab, (n,), generator=gen)
-        attention[i, :n] = 1
-    tokens, attention = tokens.to(device), attention.to(device)
-    padded = model(input_ids=tokens, attention_mask=attention, use_cache=False).logits.float()
-    row = torch.cat([tokens[i, :n] for i, n in enumerate(lengths)])[None]
-    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
-    packed = model(input_ids=row, position_ids=positions, attention_mask=None, use_cache=False).logits.float()[0]
+    prompts, responses = (3, 3, 5, 5), (2, 4, 3, 1)  # rows 0-1 and 2-3 share a prompt
+    group_prompts = [torch.randint(0, vocab, (5,), generator=gen) for _ in range(2)]
+    n, L = len(prompts), max(p + r for p, r in zip(prompts, responses))
+    batch = Batch(tokens=torch.zeros(n, L, dtype=torch.long), attention=torch.zeros(n, L, dtype=torch.long),
+                  loss_mask=torch.zeros(n, L - 1), logp_behav=torch.zeros(n, L - 1), rewards=torch.zeros(n),
+                  baselines=torch.zeros(n), group=torch.tensor([0, 0, 1, 1]), prompt_len=torch.tensor(prompts),
+                  truncated=torch.zeros(n, dtype=torch.long))
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        batch.tokens[i, :p] = group_prompts[i // 2][:p]
+        batch.tokens[i, p:p + r] = torch.randint(0, vocab, (r,), generator=gen)
+        batch.attention[i, :p + r] = 1
+        batch.loss_mask[i, p - 1:p - 1 + r] = 1.0
+    batch = Batch(**{f: getattr(batch, f).to(device) for f in batch.__dataclass_fields__})
+    padded = model(input_ids=batch.tokens, attention_mask=batch.attention, use_cache=False).logits[:, :-1]
+    packed, layout = packed_logits(model, batch, row_tokens=10**6, group_size=2 if shared else None)
     model.train(was_training)
-    return float((torch.cat([padded[i, :n] for i, n in enumerate(lengths)]) - packed).abs().max())
+    return float((padded[layout.need].float() - packed.float()).abs().max())

@@ -3,7 +3,9 @@
 Groups may arrive out of order (actors run at different speeds); the learner takes
 them in admission order so that the admission bound holds exactly (see admission.py).
 The staleness filter is a safety net: a group older than the bound when taken is
-dropped and counted; in a correct run `dropped` stays 0.
+dropped and counted; in a correct run `dropped` stays 0. A slot whose prompt is not
+generated at all (longer than the run's prompt limit) is marked `skip`ped, so the
+slots after it are not held up.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+_SKIPPED = object()  # the slot's prompt was skipped, nothing will arrive for it
 
 
 @dataclass
@@ -52,18 +55,28 @@ class ReplayBuffer(Generic[T]):
             self._cond.notify_all()
             return True
 
+    def skip(self, index: int) -> None:
+        """Nothing will be stored for slot `index`: take() passes over it."""
+        with self._cond:
+            if index >= self._next and index not in self._slots:
+                self._slots[index] = (0, _SKIPPED)  # type: ignore[assignment]
+                self._cond.notify_all()
+
     def contents(self) -> list[tuple[int, int, T]]:
         """(admission index, version, group) of every stored group, in admission order."""
         with self._cond:
-            slots = [(i, v, g) for i, (v, g) in sorted(self._slots.items())]
+            slots = [(i, v, g) for i, (v, g) in sorted(self._slots.items()) if g is not _SKIPPED]
             return [*self._ready, *slots]
 
-    def restore(self, next_index: int, items: list[tuple[int, int, T]], *, consumed: int, dropped: int) -> None:
-        """Reload a `contents()` snapshot taken when `next_index` was the next slot to pull."""
+    def restore(self, next_index: int, items: list[tuple[int, int, T]], *, consumed: int, dropped: int,
+                skipped: list[int] = ()) -> None:
+        """Reload a `contents()` snapshot taken when `next_index` was the next slot to
+        pull; `skipped`: the slots at or after it marked with skip()."""
         with self._cond:
             self._next, self.consumed, self.dropped = next_index, consumed, dropped
             self._ready = [(i, v, g) for i, v, g in items if i < next_index]
             self._slots = {i: (v, g) for i, v, g in items if i >= next_index}
+            self._slots.update({i: (0, _SKIPPED) for i in skipped})  # type: ignore[misc]
 
     def take(self, n: int, learner_version: int, timeout: float | None = None,
              stop: threading.Event | None = None) -> Taken[T] | None:
@@ -79,6 +92,8 @@ class ReplayBuffer(Generic[T]):
                 while self._next in self._slots and len(self._ready) < n:
                     version, item = self._slots.pop(self._next)
                     index, self._next = self._next, self._next + 1
+                    if item is _SKIPPED:
+                        continue
                     if learner_version - version > self.max_staleness:
                         self.dropped += 1
                         dropped.append(index)

@@ -21,7 +21,8 @@ def summary_lines(run_dir: Path) -> list[str]:
         except ValueError:
             pass
     steps = [l for l in lines if "loss/total" in l]
-    evals = [l for l in lines if "eval/accuracy" in l]
+    # Evaluation lines arrive when the actors finish a round, possibly after later steps.
+    evals = sorted((l for l in lines if "eval/accuracy" in l), key=lambda l: l["step"])
     if not steps:
         return []
     last = steps[-1]
@@ -34,10 +35,12 @@ def summary_lines(run_dir: Path) -> list[str]:
     total = sum(counts.values()) or 1
     histogram = " ".join(f"{k}:{100 * n / total:.0f}%" for k, n in sorted(counts.items()))
     ess = [s["is/ess"] for s in steps if s.get("is/ess") is not None]
+    gen = [s["actors/gen_tokens_per_s"] for s in steps if s.get("actors/gen_tokens_per_s")]
     rows = [
         ("steps", f"{last['step']} in {wall:.0f} s ({last['step'] / wall:.2f} steps/s), {last['train/samples']} samples "
                   f"({last['train/samples'] / wall:.0f}/s), {_mean([s['throughput/gen_tokens_per_s'] for s in steps]):.0f} "
-                  f"generated tokens/s"),
+                  f"response tokens/s trained"
+                  + (f"; an actor generates {_mean(gen):.0f} tokens/s while generating" if gen else "")),
         ("learner", f"idle {100 * _mean([s['learner/idle_frac'] for s in steps]):.1f}% waiting for data, "
                     f"sync {_mean([s['sync/seconds'] for s in steps]) * 1e3:.1f} ms/step, "
                     f"skipped steps {last.get('learner/skipped_steps', 0)}"),
@@ -48,6 +51,11 @@ def summary_lines(run_dir: Path) -> list[str]:
         ("actors", f"{last['actors/live']} live at the end; {last['data/prompts_admitted']} prompts admitted, "
                    f"{last['data/prompts_consumed']} consumed; {last['wire/rejected']} messages rejected"),
     ]
+    if last.get("memory/learner_peak_rss_gb"):
+        rows.append(("memory", f"peak resident {last['memory/learner_peak_rss_gb']:.2f} GiB per learner rank (largest), "
+                               f"{max(s.get('memory/actor_peak_rss_gb', 0) for s in steps):.2f} GiB per actor"))
+    if last.get("data/prompts_skipped"):
+        rows.append(("skipped", f"{last['data/prompts_skipped']} prompts over the prompt limit (task.max_prompt_tokens)"))
     if evals:
         rows.append(("eval", f"accuracy {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "
                              f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})"))

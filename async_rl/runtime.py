@@ -33,18 +33,36 @@ def sync_backend(device: torch.device) -> str:
 
 
 def make_task_from_config(cfg: Config):
-    from .tasks import make_task
+    from .tasks import WithReward, load_reward_fn, make_task
 
     t = cfg.task
-    if t.name == "arithmetic":
-        return make_task("arithmetic", seed=cfg.seed, digits=t.digits, eval_size=t.eval_size)
-    return make_task("jsonl", seed=cfg.seed, path=t.train_path, eval_path=t.eval_path, reward=t.reward)
+    if t.name == "jsonl":
+        return make_task("jsonl", seed=cfg.seed, path=t.train_path, eval_path=t.eval_path, reward=t.reward)
+    options = {"digits": t.digits} if t.name == "arithmetic" else {}
+    task = make_task(t.name, seed=cfg.seed, eval_size=t.eval_size, **options)
+    return WithReward(task, load_reward_fn(t.reward)) if t.reward else task
 
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def make_prompt_format(cfg: Config, tokenizer=None):
+    """How this run turns prompts into tokens (prompting.py); loads its own tokenizer
+    unless given one (a fast tokenizer must not be shared between threads)."""
+    from .prompting import PromptFormat
+
+    return PromptFormat(tokenizer if tokenizer is not None else load_tokenizer(cfg.model.path),
+                        cfg.task.chat_template, cfg.task.system_prompt)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def exit_now(code: int) -> None:

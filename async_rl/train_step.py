@@ -12,7 +12,8 @@ FSDP2 averages gradients over ranks, so each micro-batch loss is scaled by its s
 of the *global* minibatch normalization times the world size: the result equals a
 single process training on the whole batch (tests/test_fsdp.py checks it to 1e-6).
 Micro-batches are whole groups, planned by packing.micro_batches; with `learner.pack`
-the policy/reference forwards are padding-free (packing.py), the critic's stays padded.
+the policy/reference forwards are padding-free (packing.py), with `learner.share_prompt`
+each group's prompt is computed once; the critic's forward stays padded.
 """
 from __future__ import annotations
 
@@ -39,16 +40,17 @@ class Models:
 
 
 def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False, entropy_grad: bool = False,
-                 pack: bool = False, row_tokens: int | None = None):
+                 pack: bool = False, row_tokens: int | None = None, group_size: int | None = None):
     """Log-probs `[N, L-1]` of the batch's next tokens under `model`, at the actors'
     sampling temperature (their recorded log-probs are tempered too); optionally the
     per-token entropy of the same distribution, with a graph only when it is a loss
     term (on a large vocabulary that graph is as big as the logits). `pack`: one
-    padding-free forward scoring only response tokens (0 elsewhere; see packing.py).
+    padding-free forward scoring only response tokens (0 elsewhere; see packing.py),
+    with each group's prompt computed once when `group_size` is given.
     The softmax math is float32 whatever the model's compute dtype (bf16 logits
     would round log-probs to ~3 significant digits, and importance ratios with them)."""
     if pack:
-        logits, layout = packing.packed_logits(model, batch, row_tokens)
+        logits, layout = packing.packed_logits(model, batch, row_tokens, group_size)
         targets, place = layout.targets, lambda x: packing.scatter_scored(x, layout)
     else:
         logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits[:, :-1]
@@ -59,6 +61,12 @@ def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False,
         return logp, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         return logp, place(algorithms.token_entropy(logits))
+
+
+def _packing(cfg: Config) -> dict:
+    lc = cfg.learner
+    return {"pack": lc.pack, "row_tokens": lc.pack_row_tokens,
+            "group_size": cfg.train.group_size if lc.pack and lc.share_prompt else None}
 
 
 def forward_values(critic, batch: Batch) -> torch.Tensor:
@@ -108,7 +116,9 @@ def _denominators(cfg: Config, local: Batch, rows_per_mb: int) -> torch.Tensor:
         agg_d = algorithms.agg_denominator(mb.loss_mask, cfg.train.agg)
         policy_d = float(torch.unique(mb.group).numel()) if cfg.train.loss == "opmd" else agg_d
         out.append([policy_d, agg_d, float(mb.loss_mask.sum())])
-    return _all_reduce_sum(torch.tensor(out, dtype=torch.float64, device=local.tokens.device)).cpu()
+    # At least 1e-12: a minibatch whose every sample was filtered out has zero tokens, and
+    # its micro-batch shares (0 / denominator) must be 0, not NaN.
+    return _all_reduce_sum(torch.tensor(out, dtype=torch.float64, device=local.tokens.device)).cpu().clamp(min=1e-12)
 
 
 def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, returns, old_values, denom, acc,
@@ -120,8 +130,7 @@ def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, retur
     m = micro.loss_mask
     mb = m.bool()
     logp, entropy = forward_logp(models.policy, micro, cfg.actors.temperature, entropy=True,
-                                 entropy_grad=t.entropy_coef > 0, pack=cfg.learner.pack,
-                                 row_tokens=cfg.learner.pack_row_tokens)
+                                 entropy_grad=t.entropy_coef > 0, **_packing(cfg))
     if prox is None:  # one optimizer step per batch: the proximal policy is the current one
         prox = logp.detach()
     policy_d, agg_d, tokens = denom.tolist()
@@ -174,9 +183,10 @@ def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, retur
     if is_weights is not None:
         is_weights.append(raw_w[mb].cpu())
     acc["tokens"] += n_tok
+    acc["rows"] += micro.tokens.shape[0]
     for key in ("opmd/residual_mean", "opmd/residual_abs_mean", "opmd/log_ratio_mean"):
-        if key in stats:
-            acc[key] += stats[key] * n_tok
+        if key in stats:  # means over the micro-batch's samples: weighted by samples, not tokens
+            acc[key] += stats[key] * micro.tokens.shape[0]
     return float(total.detach()) + value_share
 
 
@@ -221,16 +231,23 @@ def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch
     weights (uncapped), for the TensorBoard histogram: local tokens only, no collective."""
     t, lc = cfg.train, cfg.learner
     models.policy.train()
+    if t.overlong.penalty_tokens:  # on the response length, before the filter empties any row
+        local.rewards = local.rewards + algorithms.overlong_penalty(
+            local.loss_mask.sum(-1), cfg.actors.max_new_tokens, t.overlong.penalty_tokens, t.overlong.penalty)
+    if t.overlong.filter:
+        local.loss_mask = algorithms.overlong_filter(local.loss_mask, local.truncated)
     N = local.tokens.shape[0]
     rows_per_micro = max(1, lc.micro_batch_size // t.group_size) * t.group_size
     rows_per_mb = N // t.minibatches
     # Per minibatch, its micro-batches (row ranges of whole groups).
+    shared = local.prompt_len if lc.pack and lc.share_prompt else None
     plan = [packing.micro_batches(local.attention, k * rows_per_mb, (k + 1) * rows_per_mb, t.group_size,
-                                  rows_per_micro, lc.micro_batch_tokens, lc.pack) for k in range(t.minibatches)]
+                                  rows_per_micro, lc.micro_batch_tokens, lc.pack, shared)
+            for k in range(t.minibatches)]
     micros = [m for mb in plan for m in mb]
 
     def logp_of(model):
-        return lambda b: forward_logp(model, b, cfg.actors.temperature, pack=lc.pack, row_tokens=lc.pack_row_tokens)[0]
+        return lambda b: forward_logp(model, b, cfg.actors.temperature, **_packing(cfg))[0]
 
     prox = ref = values = None
     if t.minibatches > 1:
@@ -259,7 +276,7 @@ def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch
     keys = sorted(acc)
     summed = dict(zip(keys, _all_reduce_sum(torch.tensor([acc[k] for k in keys], dtype=torch.float64,
                                                          device=local.tokens.device)).tolist()))
-    n_tok = max(summed.pop("tokens"), 1e-12)
+    n_tok, rows = max(summed.pop("tokens"), 1e-12), max(summed.pop("rows"), 1.0)
     w_sum, w_sq_sum = summed.pop("w_sum"), summed.pop("w_sq_sum")
     out = {}
     for key, value in summed.items():
@@ -267,6 +284,8 @@ def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch
             out[key] = round(value)  # optimizer steps skipped in this learner step
         elif key.startswith(("loss/", "learner/", "critic/grad")):
             out[key] = value / t.minibatches  # mean over the step's optimizer steps
+        elif key.startswith("opmd/"):
+            out[key] = value / rows  # sample means
         else:
             out[key if "/" in key else f"is/{key}"] = value / n_tok  # token means
     out["is/ess"] = w_sum * w_sum / max(n_tok * w_sq_sum, 1e-12)

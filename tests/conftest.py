@@ -91,9 +91,10 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 @contextlib.contextmanager
-def running_coordinator(run_dir: Path, config: dict):
+def running_coordinator(run_dir: Path, config: dict, **options):
     """A real Coordinator (its own thread and ZeroMQ sockets) for a small synchronous run,
-    with a one-tensor weight broadcaster; yields (coordinator, zmq context, task)."""
+    with a one-tensor weight broadcaster; yields (coordinator, zmq context, task).
+    `options` go to the Coordinator (prompt_length, prompt_limit)."""
     import torch
     import zmq
 
@@ -106,7 +107,7 @@ def running_coordinator(run_dir: Path, config: dict):
     task = make_task("arithmetic", seed=0)
     bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=5)
-    coord = Coordinator(cfg, task, bc, run_dir)
+    coord = Coordinator(cfg, task, bc, run_dir, **options)
     coord.start()
     ctx = zmq.Context()
     try:
@@ -126,3 +127,53 @@ def wait_for_job(bc, members, newer_than=0, timeout=15.0):
             return job
         time.sleep(0.01)
     raise AssertionError(f"no broadcast job for members {members} within {timeout}s")
+
+
+CHAT_TEMPLATE = (  # SmolLM2's template, shortened: a default system turn, then the conversation
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def build_chat_tokenizer(template: str | None = CHAT_TEMPLATE, add_bos: bool = False):
+    """A small byte-level BPE tokenizer with chat special tokens (<|im_start|> = BOS,
+    <|im_end|> = EOS, as in SmolLM2), trained in-process on a few sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    core = Tokenizer(models.BPE(unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    corpus = ["What is 7 + 5? Answer with just the number.", "Tom has 3 apples and gets 4 more.",
+              "system user assistant Be brief.", "The answer is 12.", "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16"] * 20
+    core.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=special,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if add_bos:
+        core.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  unk_token="<|endoftext|>", pad_token="<|im_end|>")
+    if template is not None:
+        tok.chat_template = template
+    return tok
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with the chat tokenizer above, as an HF directory whose
+    generation_config.json names one more stop id (as Qwen2.5's and Llama 3's do)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tok = build_chat_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                                         pad_token_id=2, tie_word_embeddings=True))
+    out = tmp_path_factory.mktemp("chat") / "model"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    GenerationConfig(bos_token_id=1, eos_token_id=[2, 0], pad_token_id=2).save_pretrained(out)
+    return out

@@ -8,8 +8,8 @@ import torch
 import zmq
 from conftest import running_coordinator
 
-from async_rl.transport import (ExperienceGroup, Goodbye, Hello, RejectCounter, Wait, Welcome, WireLimits,
-                                WorkGrant, WorkRequest, encode, recv, send)
+from async_rl.transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Hello, RejectCounter, Wait, Welcome,
+                                WireLimits, WorkGrant, WorkRequest, encode, recv, send)
 
 G = 2
 
@@ -41,7 +41,7 @@ def group_msg(actor_id, index, prompt_id, version=0, logprob=-0.5):
         prompt_tokens=np.array([1, 5, 6, 7], dtype=np.int32), response_tokens=np.full((G, T), 4, dtype=np.int32),
         response_lengths=np.array([3, 2], dtype=np.int32), logprobs=np.full((G, T), logprob, dtype=np.float32),
         token_versions=np.full((G, T), version, dtype=np.int32), rewards=np.array([1.0, 0.0], dtype=np.float32),
-        gen_seconds=0.1)
+        truncated=np.zeros(G, np.uint8), gen_seconds=0.1)
 
 
 def wait_for(pred, timeout=5.0):
@@ -62,7 +62,7 @@ def test_register_grant_admission_and_experience(hub, tmp_path):
 
     grant = ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=3))
     assert isinstance(grant, WorkGrant) and grant.groups == [0, 1, 2]
-    assert grant.prompts[0] == task.train_prompt(0).text
+    assert grant.prompt_ids == [task.train_prompt(i).id for i in range(3)]
     # Synchronous bound: 4 groups per version, one more fits, then nothing.
     assert ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=3)).groups == [3]
     assert isinstance(ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=3)), Wait)
@@ -179,3 +179,62 @@ def test_membership_change_brings_up_to_date_actors_into_the_new_group(hub):
     t.join(timeout=15)
     assert results["a"].epoch == second_b.epoch > first.epoch and second_b.world_size == 3
     assert torch.equal(params_b, torch.full((4,), 7.0))
+
+
+def test_prompts_over_the_limit_are_skipped_and_later_slots_flow(tmp_path):
+    """A too-long prompt is never granted: its slot is marked skipped, so the learner's
+    in-order take does not wait for it, and the count is kept."""
+    from async_rl.tasks import make_task
+
+    task = make_task("arithmetic", seed=0)
+
+    def length(prompt):  # a stand-in tokenizer: answers divisible by 3 make long prompts
+        return 10 if int(prompt.answer) % 3 == 0 else 2
+
+    long_ones = {i for i in range(8) if length(task.train_prompt(i)) > 5}
+    assert 0 < len(long_ones) < 8
+    with running_coordinator(tmp_path, {"train": {"batch_groups": 8, "group_size": 2}},
+                             prompt_length=length, prompt_limit=5) as (coord, ctx, _):
+        sock = dealer(ctx, coord.hub_addr)
+        welcome = ask(sock, Hello(actor_name="t", pid=1, host="h"))
+        grant = ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=8))
+        assert set(grant.groups) == set(range(8)) - long_ones
+        assert coord.admission.skipped == sorted(long_ones)
+        # Skipped slots do not count against the staleness window: room for as many more.
+        assert coord.admission.capacity(0) == len(long_ones)
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(coord.experience_addr)
+        for index, pid in zip(grant.groups, grant.prompt_ids):
+            push.send_multipart(encode(group_msg(welcome.actor_id, index, pid)))
+        taken = coord.buffer.take(len(grant.groups), learner_version=0, timeout=5)
+        assert taken is not None and taken.indices == grant.groups and coord.rejects.total == 0
+
+
+def test_an_actor_holding_the_pinned_weights_evaluates_before_it_syncs(tmp_path):
+    """Evaluation chunks go to actors at the round's version first, also while a newer
+    broadcast waits for them, and their results end up as one metrics line."""
+    with running_coordinator(tmp_path, {"eval": {"size": 3, "batch_size": 2}}) as (coord, ctx, _):
+        sock = dealer(ctx, coord.hub_addr)
+        welcome = ask(sock, Hello(actor_name="t", pid=1, host="h"))
+        aid = welcome.actor_id
+        assert isinstance(ask(sock, WorkRequest(actor_id=aid, version=0, max_groups=0)), (Wait, WorkGrant))
+        coord.request_eval(0)
+        # Half-updated weights (max_groups=0) get no evaluation work.
+        assert not isinstance(ask(sock, WorkRequest(actor_id=aid, version=0, max_groups=0)), EvalGrant)
+        first = ask(sock, WorkRequest(actor_id=aid, version=0, max_groups=4))
+        second = ask(sock, WorkRequest(actor_id=aid, version=0, max_groups=4))
+        assert isinstance(first, EvalGrant) and isinstance(second, EvalGrant) and first.version == 0
+        assert len(first.prompt_ids) + len(second.prompt_ids) == 3
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(coord.experience_addr)
+        for g in (first, second):
+            n = len(g.prompt_ids)
+            push.send_multipart(encode(EvalResult(actor_id=aid, round=g.round, version=0, prompt_ids=g.prompt_ids,
+                                                  rewards=np.ones((n, 1), np.float32),
+                                                  response_lengths=np.ones((n, 1), np.int32),
+                                                  truncated=np.zeros((n, 1), np.uint8))))
+        assert wait_for(lambda: coord.evals.pending == 0)
+        lines, pending = coord.eval_results()
+        assert pending == 0 and len(lines) == 1 and lines[0]["eval/accuracy"] == 1.0 and lines[0]["step"] == 0

@@ -17,16 +17,19 @@ def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):
     proc = train(run, demo_model, "train.max_steps=4", "max_staleness=2", "checkpoint.every=2")
     steps, evals = read_metrics(run)
     # The one-screen summary at the end, from metrics.jsonl.
-    summary = [line for line in proc.stderr.splitlines() if line.startswith("async-rl: ")][-7:]
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("async-rl: ")][-8:]
     assert [line.split()[1] for line in summary] == ["steps", "learner", "staleness", "off-policy", "actors",
-                                                     "eval", "outputs"]
+                                                     "memory", "eval", "outputs"]
     assert f"{steps[-1]['train/samples']} samples" in summary[0] and "dropped 0" in summary[2]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
     for s in steps:
         assert set(STEP_KEYS) <= s.keys()
         assert s["staleness/max"] <= 2 and s["staleness/dropped"] == 0 and s["actors/live"] == 1
         assert s["wire/rejected"] == 0
-    assert [e["step"] for e in evals] == [0, 2, 4] and all(set(EVAL_KEYS) <= e.keys() for e in evals)
+    # The actors evaluate each round at the first version they hold at or after the request.
+    assert [e["step"] for e in evals][0] == 0 and sorted(e["step"] for e in evals)[-1] == 4 and len(evals) == 3
+    assert 2 <= sorted(e["step"] for e in evals)[1] <= 3 and all(set(EVAL_KEYS) <= e.keys() for e in evals)
+    assert all(e["eval/prompts"] == 32 for e in evals)
     assert steps[-1]["data/prompts_consumed"] == 4 * 8
     assert list((run / "tb").glob("events.out.tfevents.*"))
     cfg_text = (run / "config.yaml").read_text()

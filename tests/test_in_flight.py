@@ -141,7 +141,8 @@ def test_oldest_token_is_the_sample_version_and_learner_metrics() -> None:
         return ExperienceGroup(actor_id=0, group=0, prompt_id=0, version=version,
                                prompt_tokens=np.array([1, 2], np.int32), response_tokens=np.ones((3, 4), np.int32),
                                response_lengths=lengths, logprobs=np.full((3, 4), -0.5, np.float32),
-                               token_versions=tv, rewards=np.zeros(3, np.float32), gen_seconds=0.1)
+                               token_versions=tv, rewards=np.zeros(3, np.float32), truncated=np.zeros(3, np.uint8),
+                               gen_seconds=0.1)
 
     assert decode(encode(group(2)), WireLimits()).version == 2
     for wrong in (3, 9):  # the newest token's, or padding's: refused
@@ -307,7 +308,8 @@ def test_hub_answers_polls_during_a_grant_and_takes_mixed_version_groups(tmp_pat
             actor_id=actor_id, group=0, prompt_id=grant.prompt_ids[0], version=0,
             prompt_tokens=np.array([1, 5], np.int32), response_tokens=np.full((G, 3), 4, np.int32),
             response_lengths=np.array([3, 3], np.int32), logprobs=np.full((G, 3), -0.5, np.float32),
-            token_versions=tv, rewards=np.array([1.0, 0.0], np.float32), gen_seconds=0.1))
+            token_versions=tv, rewards=np.array([1.0, 0.0], np.float32), truncated=np.zeros(G, np.uint8),
+            gen_seconds=0.1))
         taken = coord.buffer.take(1, learner_version=2, timeout=5)
         push.close(0)
         sock.close(0)
@@ -324,6 +326,7 @@ def test_in_flight_run_has_mixed_version_samples(tmp_path, demo_model) -> None:
     # EOS) and enough steps after the start-up, where the actor runs ahead, to see it.
     train(run, demo_model, "sync.in_flight=true", "train.max_steps=10", "max_staleness=2", "learner.ranks=1",
           "actors.groups_per_request=8", "actors.temperature=3.0", "actors.max_new_tokens=64", "eval.every=0",
+          "task.max_prompt_tokens=16",  # responses run past the demo model's 64 positions: allow it
           timeout=120)
     steps, _ = read_metrics(run)
     assert [s["step"] for s in steps] == list(range(1, 11))

@@ -44,7 +44,46 @@ def test_packed_logp_equal_padded(attn):
             torch.testing.assert_close(packed[mask], padded[mask], rtol=0, atol=1e-5, msg=name)
             torch.testing.assert_close(h_packed[mask], h_padded[mask], rtol=0, atol=1e-5, msg=name)
             assert (packed[~mask] == 0).all()
-        assert packing_error(model) < 1e-5
+            shared, h_shared = forward_logp(model, batch, 0.7, entropy=True, pack=True, row_tokens=row_tokens,
+                                            group_size=4)
+            torch.testing.assert_close(shared[mask], padded[mask], rtol=0, atol=1e-5, msg=name)
+            torch.testing.assert_close(h_shared[mask], h_padded[mask], rtol=0, atol=1e-5, msg=name)
+            assert (shared[~mask] == 0).all()
+        assert packing_error(model) < 1e-5 and packing_error(model, shared=True) < 1e-5
+
+
+def test_shared_prompt_layout_counts_each_prompt_once_and_has_the_same_gradients():
+    """Each group's prompt is in the packed rows once, and the gradient of a loss on the
+    shared layout equals the padded one (the prompt's activations collect all G responses')."""
+    from async_rl.batching import build_batch
+    from async_rl.packing import pack
+    from async_rl.train_step import forward_logp
+    from workers.fsdp_step import synthetic_groups
+
+    groups = synthetic_groups(3, 4, seed=5)
+    batch = build_batch(groups, pad_id=0)
+    layout = pack(batch, row_tokens=10_000, group_size=4)
+    real = sum(len(g.prompt_tokens) + int(g.response_lengths.sum()) for g in groups)
+    assert int((layout.positions.flatten() > 0).sum()) + len(groups) == real  # one position 0 per prompt
+    assert layout.mask.shape == (1, 1, layout.tokens.shape[1], layout.tokens.shape[1])
+    model = tiny_models()["qwen2"]
+    weights = torch.randn(batch.loss_mask.shape)
+    grads = []
+    for kwargs in ({}, {"pack": True, "group_size": 4}):
+        model.zero_grad()
+        logp, _ = forward_logp(model, batch, 1.0, **kwargs)
+        (logp * weights * batch.loss_mask).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_that_ignores_custom_masks_fails_the_shared_prompt_check():
+    from async_rl.packing import packing_error
+
+    model = tiny_models()["qwen2"]
+    forward = model.forward
+    model.forward = lambda **kw: forward(**{**kw, "attention_mask": None})  # drops our tree mask
+    assert packing_error(model, shared=True) > 1e-3
 
 
 def test_packing_check_catches_a_leaking_model():
@@ -72,6 +111,9 @@ def test_micro_batches_whole_groups_within_token_budget():
     # Padded cost = rows x longest: 2*5=10, 4*9=36 > 20 -> cut; a group over budget still goes alone
     assert micro_batches(attention, 0, 8, 2, 4, 20, False) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert micro_batches(attention, 2, 8, 2, 4, 1, True) == [(2, 4), (4, 6), (6, 8)]
+    # Shared prompts of 2 tokens: a group costs its rows' tokens minus one prompt: 6, 9, 6, 9.
+    assert micro_batches(attention, 0, 8, 2, 4, 15, True, torch.full((8,), 2)) == [(0, 4), (4, 8)]
+    assert micro_batches(attention, 0, 8, 2, 4, 15, True) == [(0, 2), (2, 4), (4, 6), (6, 8)]
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +141,23 @@ def assert_same_run(a: dict, b: dict, atol: float) -> None:
             torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("variant", ["gae", "reinforce_pp", "opmd"])
+@pytest.mark.parametrize("variant", ["gae", "reinforce_pp", "opmd", "ppo"])
 def test_packed_train_step_equals_padded(runs, variant):
     """Updated policy (and critic) parameters and every diagnostic: packed micro-batches
-    under a token budget vs padded fixed-size ones, 2 FSDP2 ranks, SGD lr=1."""
+    (shared prompts) under a token budget vs padded fixed-size ones, 2 FSDP2 ranks, SGD lr=1."""
     assert_same_run(runs[f"{variant}-padded"], runs[f"{variant}-packed"], atol=1e-5)
+
+
+def test_packed_without_shared_prompts_equals_padded(runs):
+    assert_same_run(runs["ppo-padded"], runs["ppo-packed-unshared"], atol=1e-5)
+
+
+def test_overlong_filter_and_penalty_change_the_update(runs):
+    """Samples at the length limit (flagged truncated) lose their loss and long ones are
+    penalized: the update differs from the plain one (the batch has such samples)."""
+    plain, overlong = runs["ppo-padded"], runs["ppo-overlong"]
+    assert float(overlong["stat:learner/grad_norm"]) != pytest.approx(float(plain["stat:learner/grad_norm"]))
+    assert any(not torch.equal(plain[n], overlong[n]) for n in plain if not n.startswith("stat:"))
 
 
 def test_activation_checkpointing_same_gradients(runs):

@@ -57,10 +57,11 @@ def test_a_run_writes_a_timeline_of_learner_and_actor(run):
     learner = [s for s in spans if s.track == "learner"]
     actor = [s for s in spans if s.track == "actor-0"]
     names = {s.name for s in learner}
-    assert {"wait-for-data", "train-step", "sync", "eval", "checkpoint"} == names
+    assert {"wait-for-data", "train-step", "sync", "eval", "checkpoint", "export"} == names
     assert [s.args["step"] for s in learner if s.name == "train-step"] == [1, 2, 3]
-    assert {"generate", "score", "push", "sync"} <= {s.name for s in actor} <= {
-        "generate", "score", "push", "sync", "wait-for-admission"}
+    # The actor also evaluates (the learner's "eval" span is its wait for the final round).
+    assert {"generate", "score", "push", "sync", "eval"} <= {s.name for s in actor} <= {
+        "generate", "score", "push", "sync", "wait-for-admission", "eval"}
     generated = [s for s in actor if s.name == "generate"]
     assert all(s.args["groups"] == 4 and s.args["tokens"] > 0 for s in generated)
     # Every group the learner trained on was generated (and pushed) by the actor.
@@ -97,7 +98,7 @@ def test_a_run_writes_histograms_texts_and_the_layout_to_tensorboard(run):
     table = text_at(acc, 2).splitlines()
     assert table[0] == "| prompt | response | reward | version |" and len(table) == 2 + 4
     assert all(row.split("|")[1].strip().endswith("=") for row in table[2:])  # the arithmetic prompts "a+b="
-    assert layout_categories(acc) == ["staleness", "throughput", "losses", "sync"]
+    assert layout_categories(acc) == ["staleness", "throughput", "losses", "sync", "memory"]
 
 
 # ------------------------------------------------------------------ the logger alone
@@ -108,10 +109,11 @@ class FakeTokenizer:
         return "".join(chr(ord("a") + i) if i < 26 else "|" for i in ids)
 
 
-def fake_group(version=1, rewards=(1.0, 0.0)):
+def fake_group(version=1, rewards=(1.0, 0.0), truncated=(0, 1)):
     return SimpleNamespace(prompt_tokens=np.array([0, 1], np.int32), version=version,
                            response_tokens=np.array([[2, 30, 3], [4, 5, 6]], np.int32),
-                           response_lengths=np.array([2, 3], np.int32), rewards=np.array(rewards, np.float32))
+                           response_lengths=np.array([2, 3], np.int32), rewards=np.array(rewards, np.float32),
+                           truncated=np.array(truncated, np.uint8))
 
 
 def test_batch_histograms_have_one_value_per_sample():
@@ -122,10 +124,15 @@ def test_batch_histograms_have_one_value_per_sample():
 
 
 def test_generations_table_is_markdown_with_escaped_cells():
-    table = generations_table([fake_group(version=3)] * 6, FakeTokenizer())
+    from async_rl.prompting import CUT_MARK, PromptFormat
+
+    fmt = PromptFormat(FakeTokenizer(), False)
+    table = generations_table([fake_group(version=3)] * 5 + [fake_group(truncated=(1, 0))], fmt)
     lines = table.splitlines()
     assert len(lines) == 2 + 4  # header, separator, the first 4 groups
     assert lines[2] == "| ab | c\\| | 1 | 3 |"  # a "|" in a response does not split the row
+    cut = generations_table([fake_group(truncated=(1, 0))], fmt).splitlines()[2]
+    assert cut == f"| ab | c\\|{CUT_MARK} | 1 | 1 |"  # a response cut at the length limit is marked
 
 
 def test_logger_writes_histograms_texts_and_layout_but_keeps_jsonl_flat(tmp_path):

@@ -61,8 +61,14 @@ def test_sigkilled_job_resumes_from_its_last_checkpoint(tmp_path, demo_model):
     assert f"resuming from {checkpoint.name}" in resumed.stderr
     steps, evals = read_metrics(run)
     assert [s["step"] for s in steps] == list(range(1, 25)), "each step exactly once"
-    # The resumed run evaluates its restored weights first.
-    assert [e["step"] for e in evals] == sorted({0, 5, 10, 15, 20, 24, ckpt_step})
+    # The resumed run evaluates its restored weights first. The actors score a round with
+    # the first weights they hold at or after the request (up to max_staleness + 1 later;
+    # a round of the killed run that landed after the checkpoint is not kept).
+    requested = sorted({0, 5, 10, 15, 20, 24, ckpt_step})
+    got = sorted(e["step"] for e in evals)
+    assert got[0] == 0 and got[-1] == 24 and len(requested) - 1 <= len(got) <= len(requested)
+    assert all(any(r <= g <= r + 3 for r in requested) for g in got)
+    assert any(ckpt_step <= g <= ckpt_step + 3 for g in got)
     last = steps[-1]
     # Nothing lost or counted twice across the crash: consumption is FIFO by admission index.
     assert last["data/prompts_consumed"] == 24 * 8 and last["staleness/dropped"] == 0

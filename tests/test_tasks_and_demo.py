@@ -89,9 +89,9 @@ def test_load_reward_fn() -> None:
     assert fn is exact_match
     for spec, needle in [
         ("no_colon_here", "module:function"),
-        ("a:b:c", "module:function"),
+        ("a:b:c", "no module named 'a:b'"),
         (":exact_match", "module:function"),
-        ("async_rl.no_such_module:f", "cannot import"),
+        ("async_rl.no_such_module:f", "no module named 'async_rl.no_such_module'"),
         ("async_rl.tasks.arithmetic:no_such_fn", "no attribute"),
         ("async_rl.tasks.base:EVAL_ID_OFFSET", "not callable"),
     ]:
@@ -163,6 +163,11 @@ def test_jsonl_eval_file_and_custom_reward(tmp_path: Path) -> None:
         ('{"prompt": "", "answer": "1"}', "'prompt'"),
         ('{"prompt": "p"}', "'answer'"),
         ('{"prompt": "p", "answer": true}', "'answer'"),
+        ('{"messages": [], "answer": "1"}', "'messages' must be a non-empty list"),
+        ('{"messages": [{"role": "bot", "content": "hi"}], "answer": "1"}', "messages\\[0\\] must be"),
+        ('{"messages": [{"role": "user", "content": 3}], "answer": "1"}', "messages\\[0\\] must be"),
+        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "answer": "1"}',
+         "last message must be the user's turn"),
     ],
 )
 def test_jsonl_bad_line_names_file_and_line(tmp_path: Path, line: str, needle: str) -> None:
@@ -170,6 +175,16 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path: Path, line: str, needle: s
     with pytest.raises(ValueError, match=needle) as info:
         JsonlTask(seed=0, path=path)
     assert f"{path}:4:" in str(info.value)
+
+
+def test_jsonl_chat_rows(tmp_path: Path) -> None:
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    path = _write(tmp_path / "chat.jsonl", [{"messages": turns, "answer": "4"}, {"prompt": "plain", "answer": "5"}])
+    task = JsonlTask(seed=0, path=path, eval_path=path)
+    chat, plain = task.eval_prompts()
+    # A conversation keeps its turns for the template; its text (what rewards get) is the last user turn.
+    assert chat.messages == (("system", "Be brief."), ("user", "What is 2+2?")) and chat.text == "What is 2+2?"
+    assert plain.messages is None and plain.text == "plain" and plain.answer == "5"
 
 
 def test_jsonl_file_errors(tmp_path: Path) -> None:

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from async_rl.transport import (
     MESSAGE_TYPES,
+    EvalGrant,
+    EvalResult,
     ExperienceGroup,
     Goodbye,
     Heartbeat,
@@ -50,6 +52,7 @@ def make_group(g: int = 4, t: int = 6, p: int = 5, seed: int = 0) -> ExperienceG
         logprobs=-rng.random((g, t), dtype=np.float32) * 3,
         token_versions=versions,
         rewards=rng.random(g, dtype=np.float32),
+        truncated=(lengths == t).astype(np.uint8),
         gen_seconds=0.25, greedy_reward=None,
     )
 
@@ -58,14 +61,17 @@ SAMPLES = [
     Hello(actor_name="actor-0", pid=1234, host="node1"),
     Welcome(actor_id=3, config_yaml="seed: 1\n", experience_addr="tcp://127.0.0.1:5000", version=7),
     WorkRequest(actor_id=3, version=7, max_groups=4),
-    WorkGrant(groups=[10, 11], prompt_ids=[5, 9], prompts=["37+45=", "1+1="], answers=["82", "2"]),
+    WorkGrant(groups=[10, 11], prompt_ids=[5, 9]),
     Wait(seconds=0.5),
     SyncOrder(epoch=2, rank=1, world_size=3, store_host="127.0.0.1", store_port=29500, version=8),
     SyncDone(actor_id=3, epoch=2, version=8),
-    Heartbeat(actor_id=3, version=8, generated_groups=100),
+    Heartbeat(actor_id=3, version=8, generated_groups=100, peak_rss_mb=812.5),
     Goodbye(reason="shutdown"),
     make_group(),
     ExperienceGroup(**{**make_group().__dict__, "greedy_reward": 1.0}),
+    EvalGrant(round=3, version=7, prompt_ids=[2**48, 2**48 + 1]),
+    EvalResult(actor_id=3, round=3, version=7, prompt_ids=[2**48, 2**48 + 1], rewards=np.array([[1.0], [0.0]], np.float32),
+               response_lengths=np.array([[3], [8]], np.int32), truncated=np.array([[0], [1]], np.uint8)),
 ]
 
 
@@ -254,7 +260,7 @@ CASES = {
     "negative_pid": (_header_edit(HELLO, _body(pid=-1)), "bad_value"),
     "huge_int": (_header_edit(HELLO, _body(pid=2**64 - 1)), "bad_value"),
     "nan_float": (_header_edit(Wait(1.0), _body(seconds=float("nan"))), "non_finite"),
-    "grant_lengths": (_header_edit(SAMPLES[3], _body(answers=["82"])), "shape_mismatch"),
+    "grant_lengths": (_header_edit(SAMPLES[3], _body(prompt_ids=[5])), "shape_mismatch"),
     "grant_list_type": (_header_edit(SAMPLES[3], _body(groups=[1, "2"])), "bad_field_type"),
     "rank_ge_world": (_header_edit(SAMPLES[5], _body(rank=3)), "bad_value"),
     "bad_port": (_header_edit(SAMPLES[5], _body(store_port=70000)), "bad_value"),
@@ -291,7 +297,13 @@ CASES = {
     "empty_group": (encode(ExperienceGroup(**{
         **make_group().__dict__, "response_tokens": np.zeros((0, 6), np.int32),
         "response_lengths": np.zeros(0, np.int32), "logprobs": np.zeros((0, 6), np.float32),
-        "token_versions": np.zeros((0, 6), np.int32), "rewards": np.zeros(0, np.float32)})), "bad_value"),
+        "token_versions": np.zeros((0, 6), np.int32), "rewards": np.zeros(0, np.float32),
+        "truncated": np.zeros(0, np.uint8)})), "bad_value"),
+    "truncated_not_0_or_1": (encode(_group(truncated=np.full(4, 2, np.uint8))), "bad_value"),
+    "eval_result_shapes": (encode(EvalResult(actor_id=3, round=0, version=0, prompt_ids=[1, 2],
+                                             rewards=np.zeros((2, 1), np.float32),
+                                             response_lengths=np.zeros((1, 1), np.int32),
+                                             truncated=np.zeros((2, 1), np.uint8))), "shape_mismatch"),
 }
 
 

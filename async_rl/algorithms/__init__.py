@@ -7,6 +7,7 @@ from .entropy import token_entropy
 from .gae import gae_advantages, value_loss
 from .kl import KL_KINDS, kl_estimate
 from .opmd import opmd_loss
+from .overlong import overlong_filter, overlong_penalty
 from .ppo import ppo_clip_loss
 
 __all__ = [
@@ -21,6 +22,8 @@ __all__ = [
     "kl_estimate",
     "masked_whiten",
     "opmd_loss",
+    "overlong_filter",
+    "overlong_penalty",
     "ppo_clip_loss",
     "reinforce_pp_advantages",
     "remax_advantages",

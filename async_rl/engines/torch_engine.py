@@ -3,13 +3,21 @@
 Works with any Hugging Face causal LM (CPU or CUDA). Prompts are left-padded so
 that every row's next token sits in the last column, which lets one decode step
 serve the whole batch with a single [B, 1] forward.
+
+Two savings that matter for real models, where a prompt (chat template, system turn)
+is often longer than its responses and response lengths vary widely:
+- each distinct prompt is prefilled once and its KV cache repeated for its `n`
+  samples (`Cache.batch_repeat_interleave`), instead of prefilling `n` copies;
+- rows that have stopped leave the batch (`Cache.batch_select_indices`) once they are
+  a quarter of it, so the decode steps of the long responses do not carry them.
+Neither changes a sampled token or a log-prob: rows never interact.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -51,7 +59,11 @@ class TorchEngine:
         dtype: torch.dtype = torch.float32,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
+        stop_strings: Sequence[str] = (),
+        tokenizer: object | None = None,
     ) -> None:
+        """`stop_strings` end a response as soon as its text contains one (the token that
+        completes it is kept); they need the `tokenizer` to read the text."""
         if isinstance(model_or_path, nn.Module):
             model = model_or_path
         else:
@@ -80,6 +92,13 @@ class TorchEngine:
         # Padding only ever sits under a zero attention mask, so any valid id works.
         self.pad_token_id = int(pad_token_id)
         self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer")
+        self.stop_strings = [s for s in stop_strings if s]
+        self._tokenizer = tokenizer
+        # Every token decodes to at least one character (a few more for byte pieces), so
+        # the last len(longest stop string) + 4 tokens hold any stop string just completed.
+        self._stop_window = max((len(s) for s in self.stop_strings), default=0) + 4
         # Only the last position's logits are needed; HF models that support
         # `logits_to_keep` then skip the [B, T, V] projection at prefill.
         params = inspect.signature(self.model.forward).parameters
@@ -131,61 +150,81 @@ class TorchEngine:
         if not greedy and not (temperature > 0.0 and 0.0 < top_p <= 1.0):
             raise ValueError(f"need temperature > 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
 
-        input_ids, mask = self._left_pad(prompts, n)
-        B, P = input_ids.shape
         dev = self.device
-        # Whole-run buffers: the attention mask grows by one column per step and
-        # is passed as a prefix view, so nothing is reallocated inside the loop.
-        full_mask = torch.ones(B, P + max_new_tokens, dtype=torch.long, device=dev)
-        full_mask[:, :P] = mask
+        input_ids, mask = self._left_pad(prompts)
+        B, P = len(prompts) * n, input_ids.shape[1]
+        # Whole-run buffers, indexed by original row; the decode loop works on `rows`,
+        # the original ids of the rows still generating.
         tokens = torch.full((B, max_new_tokens), self.pad_token_id, dtype=torch.long, device=dev)
         logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=dev)
         versions = torch.zeros(B, max_new_tokens, dtype=torch.int32, device=dev)
-        finished = torch.zeros(B, dtype=torch.bool, device=dev)
         lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=dev)
-
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        # The attention mask grows by one column per step; it is passed as a prefix view.
+        full_mask = torch.ones(B, P + max_new_tokens, dtype=torch.long, device=dev)
+        full_mask[:, :P] = mask.repeat_interleave(n, dim=0)
         # Left padding shifts real tokens right; positions must still start at 0
         # for each row's first real token (pads get 0, they are masked anyway).
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        next_pos = position_ids[:, -1:] + 1
+        next_pos = (position_ids[:, -1:] + 1).repeat_interleave(n, dim=0)
         cache = self._new_cache()
-        logits = self._forward(input_ids, full_mask[:, :P], position_ids, cache)
+        logits = self._forward(input_ids, mask, position_ids, cache)  # one prefill per distinct prompt
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+        rows = torch.arange(B, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)  # per current row
 
         for t in range(max_new_tokens):
             if t > 0:
                 # Never before the first token: a response's oldest token, hence its
                 # version, stays that of the weights its prompt was admitted for.
                 self._between_steps()
-                logits = self._forward(tokens[:, t - 1 : t], full_mask[:, : P + t], next_pos, cache)
+                if 4 * int(done.sum()) >= len(rows):  # drop stopped rows from the batch
+                    keep = (~done).nonzero().squeeze(-1)
+                    cache.batch_select_indices(keep)
+                    rows, done, next_pos = rows[keep], done[keep], next_pos[keep]
+                logits = self._forward(tokens[rows, t - 1: t], full_mask[rows, : P + t], next_pos, cache)
                 next_pos = next_pos + 1
             tok, lp = self._sample(logits, temperature, top_p, greedy, generator)
             # Rows already done keep padding; their samples are discarded.
-            tok = tok.masked_fill(finished, self.pad_token_id)
-            tokens[:, t] = tok
-            logprobs[:, t] = lp
-            versions[:, t] = self.version  # read per step: a sync may land in between
-            if self._eos.numel():
-                hit_eos = torch.isin(tok, self._eos) & ~finished
-                lengths = torch.where(hit_eos, t + 1, lengths)
-                finished |= hit_eos
-                if bool(finished.all()):
-                    break
+            tok = tok.masked_fill(done, self.pad_token_id)
+            tokens[rows, t] = tok
+            logprobs[rows, t] = lp
+            versions[rows, t] = self.version  # read per step: a sync may land in between
+            stop = torch.isin(tok, self._eos) if self._eos.numel() else torch.zeros_like(done)
+            if self.stop_strings:
+                stop = stop | self._stop_string_hit(tokens, rows, t, done)
+            stop &= ~done
+            lengths[rows[stop]] = t + 1
+            finished[rows[stop]] = True
+            done |= stop
+            if bool(done.all()):
+                break
 
         return self._collect(tokens, logprobs, versions, lengths, finished, len(prompts), n)
 
+    def _stop_string_hit(self, tokens: torch.Tensor, rows: torch.Tensor, t: int, done: torch.Tensor) -> torch.Tensor:
+        """Which current rows' text just completed a stop string (decoded over a short window)."""
+        hit = torch.zeros_like(done)
+        window = tokens[rows, max(0, t + 1 - self._stop_window): t + 1].tolist()
+        for i, ids in enumerate(window):
+            if not done[i]:
+                text = self._tokenizer.decode(ids, skip_special_tokens=False)  # type: ignore[union-attr]
+                hit[i] = any(s in text for s in self.stop_strings)
+        return hit
+
     # ------------------------------------------------------------------ helpers
 
-    def _left_pad(self, prompts: list[list[int]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Repeat each prompt n times (samples of a prompt are adjacent) and left-pad."""
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-pad the prompts into [len(prompts), longest] ids and attention mask."""
         P = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), P), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(prompts), P, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, P - len(p) :] = 1
-        ids = ids.repeat_interleave(n, dim=0).to(self.device)
-        mask = mask.repeat_interleave(n, dim=0).to(self.device)
-        return ids, mask
+        return ids.to(self.device), mask.to(self.device)
 
     def _new_cache(self) -> object:
         from transformers import DynamicCache

@@ -85,6 +85,8 @@ class VLLMEngine:
         dtype: str = "auto",
         sync_dtype: torch.dtype = torch.float32,
         eos_token_id: int | list[int] | None = None,
+        stop_strings: Sequence[str] = (),
+        tokenizer: Any = None,
         seed: int = 0,
         gpu_memory_utilization: float = 0.3,
         **llm_kwargs: Any,
@@ -111,6 +113,7 @@ class VLLMEngine:
             eos_token_id = getattr(AutoConfig.from_pretrained(path), "eos_token_id", None)
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         self.eos_token_ids = [int(e) for e in eos]
+        self.stop_strings = [s for s in stop_strings if s]  # vLLM detokenizes itself: `tokenizer` is not needed
         self.specs: list[Spec] = hf_parameter_specs(path, sync_dtype)
         self._label = self._version_labeller()
         self.set_version(0)
@@ -157,9 +160,11 @@ class VLLMEngine:
         seed = None if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
         params = self._sampling_params(
             n=n, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p, seed=seed, logprobs=0, detokenize=False,
-            # Stop exactly on our EOS ids (as TorchEngine), not on generation-config extras.
-            ignore_eos=True, stop_token_ids=self.eos_token_ids or None)
+            top_p=1.0 if greedy else top_p, seed=seed, logprobs=0,
+            # Stop exactly on our stop ids (as TorchEngine), not on generation-config extras.
+            ignore_eos=True, stop_token_ids=self.eos_token_ids or None,
+            # Stop strings need vLLM's detokenizer; the token that completes one is kept, as in TorchEngine.
+            stop=self.stop_strings or None, include_stop_str_in_output=True, detokenize=bool(self.stop_strings))
         version = self.version  # nothing changes the weights while generate runs (module docstring)
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         if len(outputs) != len(prompts):

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..config import Config
-from ..packing import packing_error
+from ..packing import attention_kind, packing_error, shares_prompt
 from ..train_step import Models
 
 log = logging.getLogger("async_rl.learner")
@@ -62,8 +62,18 @@ def build_models(cfg: Config, device: torch.device, mesh) -> Models:
 
     lc = cfg.learner
     policy = load_policy()
-    if lc.pack:
-        # Deterministic and identical on every rank (same weights, same inputs): all agree.
+    # Deterministic and identical on every rank (same weights, same inputs): all agree.
+    if lc.pack and lc.share_prompt and not shares_prompt(policy):
+        log.info("learner.share_prompt: %s attention takes no custom mask; packing without shared prompts",
+                 attention_kind(policy))
+        cfg.learner.share_prompt = False
+    if lc.pack and lc.share_prompt:
+        error = packing_error(policy, shared=True)
+        if error > 1e-4:
+            log.warning("learner.share_prompt: %s does not reproduce its padded logits with shared prompts (max "
+                        "difference %.2g); packing without sharing", type(policy).__name__, error)
+            cfg.learner.share_prompt = False
+    if lc.pack and not lc.share_prompt:
         error = packing_error(policy)
         if error > 1e-4:
             log.warning("learner.pack: %s does not reproduce its padded logits when packed (max difference %.2g); "

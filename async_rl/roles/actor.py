@@ -1,7 +1,8 @@
 """Actor: a rollout process with one generation engine.
 
 Loop: ask the hub for work -> (join a weight sync | generate G responses per granted
-prompt, score them, push one message per group | wait). New weights are applied
+prompt, score them, push one message per group | score a chunk of held-out prompts and
+push the result (evaluation.py) | wait). New weights are applied
 here, between generation batches, so every token of a batch has one version; with
 `sync.in_flight=true` also between decode steps (`InFlight`), so a response may span
 versions: each token records its own, the group's version is its oldest token's.
@@ -24,11 +25,15 @@ import zmq
 from ..config import Config, from_yaml
 from ..engines import make_engine
 from ..tracing import SpanRecorder, WaitSpan, now_us, spans_to_arrays
-from ..transport import (ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder, TraceSpans,
-                         Wait, Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
+from ..evaluation import score_prompts
+from ..prompting import stop_token_ids
+from ..tasks import PromptIndex
+from ..transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone,
+                         SyncOrder, TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, encode, recv, send)
 from ..transport.security import secure_client
 from ..weight_sync import SyncAbandoned, WeightReceiver, describe
-from ..runtime import load_tokenizer, make_task_from_config, quiet_libraries, resolve_device, sync_backend
+from ..runtime import (make_prompt_format, make_task_from_config, peak_rss_mb, quiet_libraries, resolve_device,
+                       sync_backend)
 
 log = logging.getLogger("async_rl.actor")
 
@@ -84,7 +89,7 @@ def _heartbeat_loop(ctx: zmq.Context, hub_addr: str, keys_dir: str | None, state
         while not stop.wait(every_s):
             try:
                 send(client.sock, Heartbeat(actor_id=state["actor_id"], version=state["version"],
-                                            generated_groups=state["generated"]))
+                                            generated_groups=state["generated"], peak_rss_mb=peak_rss_mb()))
             except zmq.Again:
                 continue  # the hub is busy; the main loop notices a dead hub through its own timeouts
             _ship_spans(client.sock, state["actor_id"], spans)
@@ -118,9 +123,13 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         torch.set_num_threads(cfg.actors.threads)
         hub.sock.setsockopt(zmq.RCVTIMEO, int(cfg.transport.timeout_s * 1000))
         device = resolve_device(cfg.model.device)
-        engine = make_engine(cfg.actors.engine, model_or_path=cfg.model.path, device=device)
-        tokenizer = load_tokenizer(cfg.model.path)
+        prompt_format = make_prompt_format(cfg)
+        stops = dict(eos_token_id=stop_token_ids(cfg.model.path, prompt_format.tokenizer))
+        if cfg.actors.stop:
+            stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
+        engine = make_engine(cfg.actors.engine, model_or_path=cfg.model.path, device=device, **stops)
         task = make_task_from_config(cfg)
+        prompts = PromptIndex(task)
         sync_args = dict(bucket_mb=cfg.sync.bucket_mb, backend=sync_backend(device), timeout_s=cfg.sync.timeout_s)
         make_receiver = getattr(engine, "weight_receiver", None)  # engines whose weights live elsewhere (vLLM)
         receiver = (make_receiver(**sync_args) if make_receiver is not None
@@ -158,9 +167,13 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             if isinstance(reply, SyncOrder):
                 if not syncer.follow(reply):
                     time.sleep(0.05)
+            elif isinstance(reply, EvalGrant):
+                with spans.span("eval", groups=len(reply.prompt_ids)):
+                    push.send_multipart(evaluate_chunk(engine, prompt_format, task, prompts, cfg, reply, actor_id,
+                                                       generator), copy=False)
             elif isinstance(reply, WorkGrant):
                 try:
-                    messages = rollout(engine, tokenizer, task, cfg, reply, actor_id, generator, spans)
+                    messages = rollout(engine, prompt_format, task, prompts, cfg, reply, actor_id, generator, spans)
                 except LeaveNow as leave:  # only from the in-flight hook, in the middle of generation
                     log.log(logging.INFO if leave.code == 0 else logging.ERROR, "actor %d leaving: %s", actor_id,
                             leave.why)
@@ -284,31 +297,49 @@ def _sync(hub: HubClient, receiver: WeightReceiver, engine, order: SyncOrder, st
     return True
 
 
-def rollout(engine, tokenizer, task, cfg: Config, grant: WorkGrant, actor_id: int, generator,
-            spans: SpanRecorder | None = None) -> list:
+def evaluate_chunk(engine, prompt_format, task, prompts: PromptIndex, cfg: Config, grant: EvalGrant, actor_id: int,
+                   generator) -> list:
+    """Score one chunk of held-out prompts; the encoded EvalResult. In-flight weight
+    updates are off meanwhile: every score of a round comes from the version it names."""
+    e = cfg.eval
+    hook, engine.step_hook = getattr(engine, "step_hook", None), None
+    try:
+        rewards, lengths, truncated = score_prompts(
+            engine, prompt_format, task, [prompts[i] for i in grant.prompt_ids], samples=e.pass_k,
+            max_new_tokens=e.max_new_tokens or cfg.actors.max_new_tokens, temperature=e.temperature,
+            generator=generator)
+    finally:
+        engine.step_hook = hook
+    return encode(EvalResult(actor_id=actor_id, round=grant.round, version=grant.version,
+                             prompt_ids=list(grant.prompt_ids), rewards=rewards, response_lengths=lengths,
+                             truncated=truncated))
+
+
+def rollout(engine, prompt_format, task, prompts: PromptIndex, cfg: Config, grant: WorkGrant, actor_id: int,
+            generator, spans: SpanRecorder | None = None) -> list:
     """Generate, score and encode one ExperienceGroup per granted prompt; `spans` gets
     the generate and score spans."""
-    from ..transport import encode
-
     spans = spans if spans is not None else SpanRecorder(enabled=False)
     G = cfg.train.group_size
-    prompt_tokens = [tokenizer(text)["input_ids"] for text in grant.prompts]
+    granted = [prompts[i] for i in grant.prompt_ids]
+    prompt_tokens = [prompt_format.encode(p) for p in granted]
     started = time.monotonic()
-    with spans.span("generate", groups=len(grant.prompts)) as span_args:
+    with spans.span("generate", groups=len(granted)) as span_args:
         completions = engine.generate(prompt_tokens, n=G, max_new_tokens=cfg.actors.max_new_tokens,
                                       temperature=cfg.actors.temperature, top_p=cfg.actors.top_p, generator=generator)
-        greedy_rewards: list[float | None] = [None] * len(grant.prompts)
+        greedy_rewards: list[float | None] = [None] * len(granted)
         if cfg.train.advantage == "remax":
             # ReMax's baseline: one greedy response per prompt from the same weights.
             greedy = engine.generate(prompt_tokens, n=1, max_new_tokens=cfg.actors.max_new_tokens, greedy=True)
-            greedy_rewards = [float(task.reward(p, tokenizer.decode(g[0].tokens.tolist(), skip_special_tokens=True),
-                                                a)) for p, g, a in zip(grant.prompts, greedy, grant.answers)]
+            greedy_rewards = [float(task.reward(p.text, prompt_format.response_text(g[0].tokens.tolist()), p.answer))
+                              for p, g in zip(granted, greedy)]
         span_args["tokens"] = sum(len(c.tokens) for samples in completions for c in samples)
-    gen_seconds = (time.monotonic() - started) / max(1, len(grant.prompts))
+    gen_seconds = (time.monotonic() - started) / max(1, len(granted))
     with spans.span("score", groups=len(completions)):
-        rewards_of = [np.array([float(task.reward(prompt, tokenizer.decode(c.tokens.tolist(), skip_special_tokens=True),
-                                                  answer)) for c in samples], dtype=np.float32)
-                      for prompt, answer, samples in zip(grant.prompts, grant.answers, completions)]
+        rewards_of = [np.array([float(task.reward(p.text, prompt_format.response_text(c.tokens.tolist()), p.answer))
+                                for c in samples], dtype=np.float32)
+                      for p, samples in zip(granted, completions)]
+    tokenizer = prompt_format.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     out = []
     for k, samples in enumerate(completions):
@@ -317,7 +348,6 @@ def rollout(engine, tokenizer, task, cfg: Config, grant: WorkGrant, actor_id: in
         logprobs = np.zeros((G, T), dtype=np.float32)
         versions = np.zeros((G, T), dtype=np.int32)
         lengths = np.zeros(G, dtype=np.int32)
-        rewards = rewards_of[k]
         for j, c in enumerate(samples):
             n = len(c.tokens)
             tokens[j, :n] = c.tokens.numpy()
@@ -330,6 +360,7 @@ def rollout(engine, tokenizer, task, cfg: Config, grant: WorkGrant, actor_id: in
             actor_id=actor_id, group=grant.groups[k], prompt_id=grant.prompt_ids[k],
             version=int(valid.min()) if valid.size else engine.version,
             prompt_tokens=np.asarray(prompt_tokens[k], dtype=np.int32), response_tokens=tokens,
-            response_lengths=lengths, logprobs=logprobs, token_versions=versions, rewards=rewards,
+            response_lengths=lengths, logprobs=logprobs, token_versions=versions, rewards=rewards_of[k],
+            truncated=np.array([not c.finished for c in samples], dtype=np.uint8),
             gen_seconds=gen_seconds, greedy_reward=greedy_rewards[k])))
     return out

@@ -1,7 +1,9 @@
 """Coordinator: runs as a thread on learner rank 0.
 
 It owns the prompt cursor (admission index = prompt index), admission control, the
-replay buffer, the actor registry and the weight-sync membership. Actors talk to it
+replay buffer, the actor registry, the weight-sync membership and the evaluation rounds
+(evaluation.py). A prompt longer than the run's prompt limit is never granted: its
+slot is marked skipped in the buffer, counted and logged. Actors talk to it
 over a ROUTER socket (hello / work / heartbeat / sync-done / goodbye, one reply per
 request; timeline spans come with the heartbeats and get no reply) and push experience
 to a PULL socket. Every message is validated by the wire layer; anything inconsistent
@@ -23,11 +25,12 @@ import zmq
 
 from ..admission import Admission
 from ..config import Config, to_yaml
+from ..evaluation import EvalRounds, eval_prompt_ids
 from ..replay_buffer import ReplayBuffer
 from ..tasks.base import Task
 from ..tracing import TraceWriter
-from ..transport import (ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder, TraceSpans,
-                         Wait, Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
+from ..transport import (EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder,
+                         TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
 from ..transport.security import CurveServer
 from ..weight_sync import WeightBroadcaster
 
@@ -43,6 +46,7 @@ class ActorInfo:
     identity: bytes
     last_seen: float
     version: int = 0
+    peak_rss_mb: float = 0.0
     synced: tuple[int, int] = (-1, -1)  # (epoch, version) of the last broadcast it completed
     outstanding: set[int] = field(default_factory=set)  # admission indices granted, not yet delivered
     # Joins weight broadcasts only from its first work request on, i.e. once its model
@@ -59,10 +63,15 @@ class Grant:
 
 class Coordinator:
     def __init__(self, cfg: Config, task: Task, broadcaster: WeightBroadcaster, run_dir: Path,
-                 trace: TraceWriter | None = None):
+                 trace: TraceWriter | None = None, prompt_length=None, prompt_limit: int | None = None):
         """`trace`: where the actors' timeline spans go (the learner's writer; by default
-        one of our own that nobody writes out)."""
+        one of our own that nobody writes out). `prompt_length(prompt)`: its length in
+        tokens as the actors will encode it; prompts over `prompt_limit` are skipped."""
         self.cfg, self.task, self.broadcaster, self.run_dir = cfg, task, broadcaster, run_dir
+        self.prompt_length, self.prompt_limit = prompt_length, prompt_limit
+        self.skips_in_a_row = 0  # prompts skipped since the last one granted (all too long: a config error)
+        self.evals = EvalRounds(eval_prompt_ids(task, cfg.eval.size), cfg.eval.batch_size)
+        self._last_result = time.monotonic()
         self.trace = trace if trace is not None else TraceWriter(run_dir / "trace.json")
         self.admission = Admission(cfg.max_staleness, cfg.train.batch_groups)
         capacity = (cfg.max_staleness + 2) * cfg.train.batch_groups + cfg.actors.count * cfg.actors.groups_per_request
@@ -98,6 +107,24 @@ class Coordinator:
     def live_actors(self) -> int:
         return len(self.actors)
 
+    @property
+    def actor_peak_rss_mb(self) -> float:
+        return max((a.peak_rss_mb for a in self.actors.values()), default=0.0)
+
+    def idle_s(self, since: float) -> float:
+        """Seconds since the later of `since` (time.monotonic) and the last experience
+        group or evaluation result accepted: how long the actors have given nothing."""
+        return time.monotonic() - max(since, self._last_result)
+
+    def request_eval(self, version: int) -> None:
+        with self._lock:
+            self.evals.request(version)
+
+    def eval_results(self) -> tuple[list[dict], int]:
+        """(finished evaluation rounds' metrics lines, rounds still open or queued)."""
+        with self._lock:
+            return self.evals.take_done(), self.evals.pending
+
     # -- checkpoint state ---------------------------------------------------------
     def snapshot(self) -> tuple[dict, list[tuple[int, int, ExperienceGroup]]]:
         """A consistent copy of everything a resumed run needs (JSON state, buffered
@@ -107,7 +134,7 @@ class Coordinator:
             state = {"admitted": self.admission.admitted, "next_actor_id": self._next_actor_id,
                      "pending": sorted({*self.granted, *self.reissue}), "buffer_next": self.buffer.next_index,
                      "consumed": self.buffer.consumed, "dropped": self.buffer.dropped,
-                     "rejected": self.rejects.by_reason()}
+                     "skipped": self.admission.skipped, "rejected": self.rejects.by_reason()}
             return state, self.buffer.contents()
 
     def restore(self, version: int, state: dict, groups: list[tuple[int, int, ExperienceGroup]]) -> None:
@@ -115,9 +142,11 @@ class Coordinator:
         so a new actor never replays an old one's sampling stream (seeded by its id)."""
         self.version = version
         self.admission.admitted = state["admitted"]
+        self.admission.skipped = list(state.get("skipped", []))
         self._next_actor_id = state["next_actor_id"]
         self.reissue.extend(state["pending"])
-        self.buffer.restore(state["buffer_next"], groups, consumed=state["consumed"], dropped=state["dropped"])
+        self.buffer.restore(state["buffer_next"], groups, consumed=state["consumed"], dropped=state["dropped"],
+                            skipped=[i for i in self.admission.skipped if i >= state["buffer_next"]])
         self.rejects.preload(state["rejected"])
 
     # -- the loop -----------------------------------------------------------------
@@ -210,6 +239,7 @@ class Coordinator:
         actor.last_seen = now
         if isinstance(msg, Heartbeat):
             actor.version = max(actor.version, msg.version)
+            actor.peak_rss_mb = msg.peak_rss_mb
         elif isinstance(msg, TraceSpans):  # validated by the wire layer; no reply
             self.trace.add_actor_spans(msg.actor_id, msg.names, msg.start_us, msg.dur_us, msg.args, msg.dropped)
         elif isinstance(msg, SyncDone):
@@ -233,21 +263,44 @@ class Coordinator:
     def _answer_work(self, actor: ActorInfo, req: WorkRequest):
         if self._stopping.is_set():
             return Goodbye(reason="run finished")
+        if req.max_groups > 0:  # intact weights: evaluation first, also before a sync (see evaluation.py)
+            grant = self.evals.grant(actor.actor_id, req.version, {a.version for a in self.actors.values() if a.ready})
+            if grant is not None:
+                return grant
         job = self.broadcaster.job()
         # Every member must join each broadcast, also one that already holds these
         # weights: a membership change needs the new epoch's group formed by all.
         if job is not None and actor.actor_id in job.members and actor.synced != (job.epoch, job.version):
             return SyncOrder(epoch=job.epoch, rank=job.rank_of(actor.actor_id), world_size=len(job.members) + 1,
                              store_host=self.broadcaster.host, store_port=self.broadcaster.port, version=job.version)
-        indices = self._admit(req.version, req.max_groups)
-        if not indices:
-            return Wait(seconds=0.02)
-        prompts = [self.task.train_prompt(i) for i in indices]
-        for i, prompt in zip(indices, prompts):
+        indices, prompts = [], []
+        for i in self._admit(req.version, req.max_groups):
+            prompt = self.task.train_prompt(i)
+            if self._too_long(prompt):
+                self.admission.skip(i)
+                self.buffer.skip(i)
+                continue
+            self.skips_in_a_row = 0
+            indices.append(i)
+            prompts.append(prompt)
             self.granted[i] = Grant(actor.actor_id, req.version, prompt.id)
             actor.outstanding.add(i)
-        return WorkGrant(groups=indices, prompt_ids=[p.id for p in prompts],
-                         prompts=[p.text for p in prompts], answers=[p.answer for p in prompts])
+        if not indices:
+            return Wait(seconds=0.02)
+        return WorkGrant(groups=indices, prompt_ids=[p.id for p in prompts])
+
+    def _too_long(self, prompt) -> bool:
+        if self.prompt_length is None or self.prompt_limit is None:
+            return False
+        length = self.prompt_length(prompt)
+        if length <= self.prompt_limit:
+            return False
+        skipped = len(self.admission.skipped) + 1
+        if skipped <= 10 or skipped % 1000 == 0:  # a few lines, then a reminder now and then
+            log.warning("prompt %d skipped: %d tokens, over the limit of %d (task.max_prompt_tokens); %d skipped so far",
+                        prompt.id, length, self.prompt_limit, skipped)
+        self.skips_in_a_row += 1
+        return True
 
     def _admit(self, version: int, wanted: int) -> list[int]:
         # Re-issued slots first (oldest first), under the same bound as new admissions.
@@ -274,6 +327,7 @@ class Coordinator:
         for index in sorted(actor.outstanding):  # lose no admitted prompt
             self.granted.pop(index, None)
             self.reissue.append(index)
+        self.evals.actor_left(actor_id)
         self._membership_changed()
 
     def _reap_dead(self) -> None:
@@ -298,6 +352,15 @@ class Coordinator:
 
     # -- experience ---------------------------------------------------------------
     def _on_experience(self, msg) -> None:
+        if isinstance(msg, EvalResult):
+            reason = self.evals.on_result(msg)
+            if reason is None:
+                self._last_result = time.monotonic()
+            elif reason == "stale_eval":  # scored for a round that started over: not an invalid message
+                log.debug("actor %d: evaluation result of an earlier round ignored", msg.actor_id)
+            elif reason is not None:
+                self.rejects.reject(reason)
+            return
         if not isinstance(msg, ExperienceGroup):
             self.rejects.reject("unexpected_kind")
             return
@@ -315,6 +378,7 @@ class Coordinator:
             self.rejects.reject("missing_baseline")
             return
         stored = self.buffer.put(msg.group, msg.version, msg)
+        self._last_result = time.monotonic()
         if not stored:
             # Only a full buffer refuses a granted slot (admission keeps it below its
             # capacity): generate the slot again later rather than lose it.

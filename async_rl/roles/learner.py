@@ -1,7 +1,8 @@
 """Learner: one torchrun worker per rank, the model sharded with FSDP2.
 
-Rank 0 also hosts the coordinator (prompts, admission, replay buffer, registry) and
-the weight broadcaster. One step: rank 0 takes `batch_groups` groups in admission
+Rank 0 also hosts the coordinator (prompts, admission, replay buffer, registry,
+evaluation rounds) and the weight broadcaster. Evaluation runs on the actors
+(evaluation.py): the learner only asks for it and logs the results as they come. One step: rank 0 takes `batch_groups` groups in admission
 order and scatters whole groups to ranks; every rank runs `train_step` (advantages,
 losses, optimizer steps; FSDP2 averages gradients); then the version increments and,
 every `sync.every` steps, full weights go to the actors. The version counts learner
@@ -24,21 +25,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..batching import Batch, build_batch, order_for_ranks, scatter_batch
 from ..checkpoint import BUFFER_FILE, load_checkpoint, read_groups, save_checkpoint, save_hf_model, write_groups
 from ..config import Config, load_config, to_yaml
-from ..evaluation import evaluate
-from ..runtime import (EXIT_NONFINITE, load_tokenizer, make_task_from_config, quiet_libraries, resolve_device,
-                       sync_backend, write_status)
+from ..health import RunHealth
+from ..prompting import prompt_limit
+from ..runtime import (EXIT_NONFINITE, make_prompt_format, make_task_from_config, peak_rss_mb, quiet_libraries,
+                       resolve_device, sync_backend, write_status)
 from ..metrics import MetricsLogger, batch_histograms, generations_table, version_mix
 from ..tracing import SpanRecorder, TraceWriter
 from ..models.sharding import build_models, full_parameters
 from ..train_step import train_step
 
 log = logging.getLogger("async_rl.learner")
+POLL_S = 0.5  # how long rank 0 waits between the broadcasts that keep the other ranks with it
+SKIPS_IN_A_ROW = 1000  # prompts skipped as too long, none granted between them: surely a config error
 
 
 def lr_factor(cfg: Config, step: int) -> float:
@@ -95,14 +100,13 @@ class Learner:
         return parts
 
     def _init_rank0(self, resume: bool) -> None:
-        from ..engines.torch_engine import TorchEngine
         from ..weight_sync import WeightBroadcaster
         from .coordinator import Coordinator
 
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.prompt_format = make_prompt_format(cfg)  # for the samples shown in TensorBoard
         self.task = make_task_from_config(cfg)
-        self.eval_engine = TorchEngine(cfg.model.path, device=self.device)  # full copy for eval and export
+        self.health = RunHealth(cfg.metrics.warn_after_steps, self.prompt_format.uses_chat, cfg.actors.max_new_tokens)
         self.broadcaster = WeightBroadcaster(self.specs, bucket_mb=cfg.sync.bucket_mb, host=cfg.transport.host,
                                              backend=sync_backend(self.device), device=self.device,
                                              timeout_s=cfg.sync.timeout_s, transport=cfg.sync.transport,
@@ -110,49 +114,86 @@ class Learner:
         # The run's timeline (trace.json): this thread's spans, and the actors' via the coordinator.
         self.trace = TraceWriter(self.run_dir / "trace.json", resume=resume)
         self.spans = self.trace.learner
-        self.coordinator = Coordinator(cfg, self.task, self.broadcaster, self.run_dir, trace=self.trace)
+        lengths = make_prompt_format(cfg)  # the coordinator thread's own tokenizer
+        self.coordinator = Coordinator(
+            cfg, self.task, self.broadcaster, self.run_dir, trace=self.trace,
+            prompt_length=lambda prompt: len(lengths.encode(prompt)),
+            prompt_limit=prompt_limit(cfg.task.max_prompt_tokens, self.model.config, cfg.actors.max_new_tokens))
 
     # -- pieces of a step -------------------------------------------------------
     def _next_batch(self) -> tuple[Batch | None, dict[str, Any]]:
         """Rank 0 takes the next groups and scatters them; (None, {}) on every rank once
         rank 0 decides to stop (signal received while training or waiting for data).
         Rank 0's info: the step's figures, plus TensorBoard histograms and texts."""
-        info: dict[str, Any] = {}
-        batch = None
-        if self.rank == 0 and not self.stop_event.is_set():
-            cfg = self.cfg
-            with self.spans.span("wait-for-data", step=self.version + 1):
-                taken = self.coordinator.buffer.take(cfg.train.batch_groups, self.version,
-                                                     timeout=cfg.learner.timeout_s, stop=self.stop_event)
-            if taken is None and not self.stop_event.is_set():
-                raise RuntimeError(f"no experience arrived for {cfg.learner.timeout_s:.0f}s "
-                                   f"(live actors: {self.coordinator.live_actors})")
-            if taken is not None:
-                batch = build_batch(taken.groups, self.tokenizer.pad_token_id or 0)
-                staleness = [self.version - v for v in taken.versions]
-                lengths = batch.loss_mask.sum(dim=-1)
-                info = {"waited": taken.waited_s, "staleness/mean": sum(staleness) / len(staleness),
-                        "staleness/max": max(staleness), "train/reward_mean": float(batch.rewards.mean()),
-                        "train/response_len_mean": float(lengths.mean()),
-                        "train/response_len_max": float(lengths.max()),
-                        "gen_tokens": float(lengths.sum()), "samples": float(batch.tokens.shape[0]),
-                        # What a capacity model needs: the actors' generation time per group.
-                        "actors/gen_seconds_per_group": sum(g.gen_seconds for g in taken.groups) / len(taken.groups)}
-                for k in sorted(set(staleness)):  # the per-step staleness histogram, in samples
-                    info[f"staleness/count_{k}"] = staleness.count(k) * self.cfg.train.group_size
-                info.update(version_mix(taken.groups, self.version))  # in-flight updates: actors/mixed_version_frac, ...
-                info["histograms"] = batch_histograms(taken.groups, staleness)
-                text_every = cfg.metrics.text_every
-                if text_every and (self.version + 1) % text_every == 0:
-                    info["texts"] = {"samples/generations": generations_table(taken.groups, self.tokenizer)}
-        # One small broadcast keeps every rank in lock-step: 1 = stop.
-        stop = torch.tensor([float(self.rank == 0 and batch is None)], dtype=torch.float64, device=self.device)
-        dist.broadcast(stop, src=0)
-        if stop[0] > 0:
-            return None, {}
-        if batch is not None:
-            batch = order_for_ranks(batch, self.cfg.train.group_size, self.world, self.cfg.train.minibatches)
+        cfg, taken = self.cfg, None
+        started = time.monotonic()
+
+        def poll() -> bool | None:
+            nonlocal taken
+            taken = self.coordinator.buffer.take(cfg.train.batch_groups, self.version, timeout=POLL_S,
+                                                 stop=self.stop_event)
+            if taken is not None or self.stop_event.is_set():
+                return taken is not None
+            c = self.coordinator
+            if c.skips_in_a_row >= SKIPS_IN_A_ROW:
+                raise RuntimeError(f"the last {c.skips_in_a_row} prompts were all longer than the prompt limit of "
+                                   f"{c.prompt_limit} tokens: raise task.max_prompt_tokens (or lower "
+                                   f"actors.max_new_tokens, which the default limit leaves room for)")
+            if c.idle_s(since=started) > cfg.learner.timeout_s:
+                raise RuntimeError(f"no experience or evaluation result arrived for {cfg.learner.timeout_s:.0f}s "
+                                   f"(live actors: {c.live_actors})")
+            return None
+
+        if self.rank == 0 and self.stop_event.is_set():
+            poll = lambda: False  # noqa: E731 - stop before taking anything
+        with self.spans.span("wait-for-data", step=self.version + 1):
+            if not self._wait_together(poll):
+                return None, {}
+        batch, info = None, {}
+        if self.rank == 0:
+            batch = build_batch(taken.groups, self.prompt_format.tokenizer.pad_token_id or 0)
+            info = self._batch_info(taken, batch, waited=time.monotonic() - started)
+            batch = order_for_ranks(batch, cfg.train.group_size, self.world, cfg.train.minibatches)
         return scatter_batch(batch, self.rank, self.world, self.device), info
+
+    def _batch_info(self, taken, batch: Batch, waited: float) -> dict[str, Any]:
+        """The step's figures about its data, plus TensorBoard histograms and texts (rank 0)."""
+        cfg = self.cfg
+        staleness = [self.version - v for v in taken.versions]
+        lengths = np.concatenate([g.response_lengths for g in taken.groups])
+        truncated = np.concatenate([g.truncated for g in taken.groups])
+        gen_seconds = sum(g.gen_seconds for g in taken.groups)
+        self.health.check(batch.rewards.numpy(), lengths, truncated, cfg.train.group_size)
+        info = {"waited": waited, "staleness/mean": sum(staleness) / len(staleness),
+                "staleness/max": max(staleness), "train/reward_mean": float(batch.rewards.mean()),
+                "train/response_len_mean": float(lengths.mean()), "train/response_len_max": float(lengths.max()),
+                "train/truncated_frac": float(truncated.mean()),
+                "gen_tokens": float(lengths.sum()), "samples": float(batch.tokens.shape[0]),
+                # What a capacity model needs: the actors' generation time per group, and
+                # their speed while generating.
+                "actors/gen_seconds_per_group": gen_seconds / len(taken.groups),
+                "actors/gen_tokens_per_s": float(lengths.sum()) / max(gen_seconds, 1e-9)}
+        for k in sorted(set(staleness)):  # the per-step staleness histogram, in samples
+            info[f"staleness/count_{k}"] = staleness.count(k) * cfg.train.group_size
+        info.update(version_mix(taken.groups, self.version))  # in-flight updates: actors/mixed_version_frac, ...
+        info["histograms"] = batch_histograms(taken.groups, staleness)
+        if cfg.metrics.text_every and (self.version + 1) % cfg.metrics.text_every == 0:
+            info["texts"] = {"samples/generations": generations_table(taken.groups, self.prompt_format)}
+        return info
+
+    def _wait_together(self, poll) -> bool:
+        """Every rank waits until rank 0's `poll()` says go (True) or stop (False); None =
+        not yet. One small broadcast per poll (a poll blocks rank 0 for at most about
+        POLL_S): no rank sits in one collective, whose timeout is learner.timeout_s, for
+        as long as rank 0 waits for the actors, whether they generate or evaluate."""
+        flag = torch.zeros(1, dtype=torch.float64, device=self.device)
+        while True:
+            if self.rank == 0:
+                outcome = poll()
+                flag[0] = 0.0 if outcome is None else 1.0 if outcome else 2.0
+            dist.broadcast(flag, src=0)
+            if flag[0] > 0:
+                return bool(flag[0] == 1.0)
 
     def _gather(self, consume) -> None:
         """Gather full parameters one tensor at a time (a collective on every rank);
@@ -169,28 +210,44 @@ class Learner:
             self._gather(lambda params: self.broadcaster.publish(self.version, params))
         return time.monotonic() - started
 
-    def _load_eval_copy(self, params) -> None:
-        named = dict(self.eval_engine.parameters_for_sync())
-        with torch.no_grad():
-            for name, full in params:
-                named[name].copy_(full)
+    def _request_eval(self) -> None:
+        if self.rank == 0:
+            self.coordinator.request_eval(self.version)
 
-    def _evaluate(self) -> None:
+    def _log_evals(self) -> int:
+        """Log the evaluation rounds the actors finished; returns how many are still open."""
+        lines, pending = self.coordinator.eval_results()
+        for line in lines:
+            self.metrics.log(line)
+        return pending
+
+    def _final_eval(self) -> None:
+        """Evaluate the final weights on the actors and wait for every open round, for as
+        long as results keep coming (learner.timeout_s without one ends the wait)."""
+        if self.version % self.cfg.sync.every:
+            self._sync_weights()  # the actors must hold the final weights to evaluate them
+        self._request_eval()
+        started, timeout = time.monotonic(), self.cfg.learner.timeout_s
+
+        def poll() -> bool | None:
+            if self._log_evals() == 0:
+                return True
+            if self.stop_event.is_set() or self.coordinator.idle_s(since=started) > timeout:
+                log.warning("the final evaluation was given up (no result for %.0fs, or interrupted; live actors: "
+                            "%d); final/ is written without it", timeout, self.coordinator.live_actors)
+                return False
+            time.sleep(POLL_S)
+            return None
+
         with self.spans.span("eval", step=self.version):
-            self._gather(self._load_eval_copy)
-            if self.rank != 0:
-                return
-            result = evaluate(self.eval_engine, self.tokenizer, self.task,
-                              max_new_tokens=self.cfg.actors.max_new_tokens)
-        self.metrics.log({"step": self.version, "version": self.version, "eval/accuracy": result.accuracy,
-                          "eval/reward_mean": result.reward_mean})
+            self._wait_together(poll)
 
     # -- the loop ---------------------------------------------------------------
     def run(self) -> int:
         cfg = self.cfg
         if self.version > 0:
             self._sync_weights()  # resumed: actors start from the base model, give them ours
-        self._evaluate()
+        self._request_eval()
         last_end = time.monotonic()
         skipped_streak = 0
         stop_reason = None
@@ -208,6 +265,9 @@ class Learner:
                             self.version + 1, stats["learner/skipped_steps"], skipped_streak)
             stats["learner/skipped_steps"] = self.skipped_total
             stats["learner/lr"] = self.scheduler.get_last_lr()[0]
+            rss = torch.tensor([peak_rss_mb()], dtype=torch.float64, device=self.device)
+            dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+            stats["memory/learner_peak_rss_gb"] = float(rss) / 1024
             self.scheduler.step()
             self.version += 1
             if self.rank == 0:
@@ -224,7 +284,8 @@ class Learner:
                     "step": self.version, "version": self.version, "train/reward_mean": info["train/reward_mean"],
                     "train/response_len_mean": info["train/response_len_mean"],
                     "train/response_len_max": info["train/response_len_max"],
-                    "train/samples": self.samples_total, **stats, "staleness/mean": info["staleness/mean"],
+                    "train/truncated_frac": info["train/truncated_frac"], "train/samples": self.samples_total,
+                    **stats, "staleness/mean": info["staleness/mean"],
                     "staleness/max": info["staleness/max"], "staleness/dropped": c.buffer.dropped,
                     **{k: v for k, v in info.items() if k.startswith(("staleness/count_", "actors/"))},
                     "throughput/samples_per_s": info["samples"] / interval,
@@ -233,10 +294,12 @@ class Learner:
                     "sync/broadcast_seconds": self.broadcaster.last_broadcast_s,
                     "wire/rejected": c.rejects.total, "actors/live": c.live_actors,
                     "data/prompts_admitted": c.admission.admitted, "data/prompts_consumed": c.buffer.consumed,
+                    "data/prompts_skipped": len(c.admission.skipped), "memory/actor_peak_rss_gb": c.actor_peak_rss_mb / 1024,
                 }, texts=info.get("texts"), histograms={
                     # Importance weights of rank 0's tokens only (whole groups, 1/learner.ranks
                     # of the batch): a fair sample of the batch, without a collective.
                     **info["histograms"], "is/weight": torch.cat(is_weights) if is_weights else []})
+                self._log_evals()
             if skipped_streak >= cfg.train.max_skipped_steps:
                 # Every rank counts the same streak (the skip decision is all-reduced).
                 if self.rank == 0:
@@ -248,10 +311,11 @@ class Learner:
                                f"holds the weights of the last finite step")
                 break
             if cfg.eval.every and self.version % cfg.eval.every == 0 and self.version < cfg.train.max_steps:
-                self._evaluate()
+                self._request_eval()
             if cfg.checkpoint.every and self.version % cfg.checkpoint.every == 0 and self.version < cfg.train.max_steps:
                 self._checkpoint()
-        self._evaluate()
+        if not self.stop_event.is_set():
+            self._final_eval()
         self._finish()
         if self.rank == 0:
             # torchrun turns a worker's nonzero exit into its own error report, so the
@@ -281,9 +345,11 @@ class Learner:
 
     def _finish(self) -> None:
         self._checkpoint()
+        with self.spans.span("export", step=self.version):
+            self._gather(lambda params: save_hf_model(params, self.cfg.model.path, self.prompt_format.tokenizer,
+                                                      self.run_dir / "final"))
         if self.rank == 0:
-            # The final evaluation just loaded the final weights into the eval copy.
-            save_hf_model(self.eval_engine.model, self.tokenizer, self.run_dir / "final")
+            self._log_evals()
             self.coordinator.stop()
             # Actors already said goodbye: a broadcast still waiting for them (the last
             # step's weights) would only run into its timeout, so do not wait for it.

@@ -13,8 +13,41 @@ from typing import Any
 from async_rl.tasks.arithmetic import ArithmeticTask, exact_match
 from async_rl.tasks.base import EVAL_ID_OFFSET, Prompt, RewardFn, Task, is_eval_id, load_reward_fn
 from async_rl.tasks.jsonl import JsonlTask, read_jsonl
+from async_rl.tasks.word_problems import WordProblemsTask
 
-TASKS = {"arithmetic": ArithmeticTask, "jsonl": JsonlTask}
+TASKS = {"arithmetic": ArithmeticTask, "word_problems": WordProblemsTask, "jsonl": JsonlTask}
+
+
+class WithReward:
+    """A task with its reward function replaced (`task.reward` on a built-in task)."""
+
+    def __init__(self, task: Task, reward: RewardFn) -> None:
+        self.task, self._reward = task, reward
+
+    def train_prompt(self, index: int) -> Prompt:
+        return self.task.train_prompt(index)
+
+    def eval_prompts(self) -> list[Prompt]:
+        return self.task.eval_prompts()
+
+    def reward(self, prompt: str, response: str, answer: str) -> float:
+        return self._reward(prompt, response, answer)  # checked by the caller (prepare, actors)
+
+
+class PromptIndex:
+    """A task's prompts by id: training prompts (id = index) and held-out ones
+    (EVAL_ID_OFFSET + position), as the coordinator names them in its grants."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+        self._eval: list[Prompt] | None = None
+
+    def __getitem__(self, prompt_id: int) -> Prompt:
+        if not is_eval_id(prompt_id):
+            return self.task.train_prompt(prompt_id)
+        if self._eval is None:
+            self._eval = self.task.eval_prompts()
+        return self._eval[prompt_id - EVAL_ID_OFFSET]
 
 
 def make_task(name: str, *, seed: int, **options: Any) -> Task:
@@ -35,9 +68,12 @@ __all__ = [
     "ArithmeticTask",
     "JsonlTask",
     "Prompt",
+    "PromptIndex",
     "RewardFn",
     "TASKS",
     "Task",
+    "WithReward",
+    "WordProblemsTask",
     "exact_match",
     "is_eval_id",
     "load_reward_fn",

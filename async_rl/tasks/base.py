@@ -14,7 +14,9 @@ never collide and an id alone tells which set a prompt came from.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
@@ -28,11 +30,15 @@ RewardFn = Callable[[str, str, str], float]
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: ``text`` goes to the model, ``answer`` only to the reward."""
+    """One prompt. The model sees ``messages`` when given (a conversation, rendered with
+    the chat template), else ``text``; ``answer`` only goes to the reward. ``text`` is
+    always the question itself (for a conversation: its last user turn), which is what
+    reward functions receive as ``prompt``."""
 
     id: int
     text: str
     answer: str
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) turns
 
 
 @runtime_checkable
@@ -85,26 +91,61 @@ class EpochSampler:
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Resolve ``"package.module:function"`` to a callable ``f(prompt, response, answer)``.
+    """Resolve a reward spec to a callable ``f(prompt, response, answer)``: a built-in
+    name (rewards.BUILTIN_REWARDS), ``package.module:function`` (importable from the
+    working directory, which the launcher puts on the spawned processes' path), or
+    ``path/to/file.py:function``.
 
-    Raises ValueError with the spec in the message for every way this can fail, so a
-    bad config surfaces as one readable line instead of a traceback.
+    Every way this can fail raises ValueError with one line naming the spec, so a bad
+    config surfaces as one readable line instead of a traceback.
     """
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"reward spec {spec!r} must look like 'module:function'")
-    module_name, attr = (part.strip() for part in spec.split(":"))
-    if not module_name or not attr:
-        raise ValueError(f"reward spec {spec!r} must look like 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward spec {spec!r}: cannot import module {module_name!r} ({exc})") from exc
-    fn = module
+    from async_rl.tasks.rewards import BUILTIN_REWARDS  # rewards imports this module
+
+    if isinstance(spec, str) and spec.strip() in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec.strip()]
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"reward spec {spec!r} must be a built-in name ({', '.join(BUILTIN_REWARDS)}), "
+                         f"'module:function' or 'path/to/file.py:function'")
+    source, attr = (part.strip() for part in spec.rsplit(":", 1))
+    if not source or not attr:
+        raise ValueError(f"reward spec {spec!r} must look like 'module:function' or 'path/to/file.py:function'")
+    fn = _load_file(spec, source) if source.endswith(".py") else _import(spec, source)
     # Allow dotted attributes ("mod:Class.method") by walking them one at a time.
     for part in attr.split("."):
         if not hasattr(fn, part):
-            raise ValueError(f"reward spec {spec!r}: module {module_name!r} has no attribute {attr!r}")
+            raise ValueError(f"reward spec {spec!r}: {source!r} has no attribute {attr!r}")
         fn = getattr(fn, part)
     if not callable(fn):
         raise ValueError(f"reward spec {spec!r}: {attr!r} is not callable")
     return fn  # type: ignore[return-value]
+
+
+def _cause(exc: BaseException) -> str:
+    where = f", line {exc.lineno}" if isinstance(exc, SyntaxError) and exc.lineno else ""
+    text = str(exc.msg if isinstance(exc, SyntaxError) else exc).splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}{where}"
+
+
+def _import(spec: str, name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and name.startswith(exc.name):
+            raise ValueError(f"reward spec {spec!r}: no module named {exc.name!r}; it must be importable from the "
+                             f"working directory or installed, or give a file: 'path/to/rewards.py:fn'") from None
+        raise ValueError(f"reward spec {spec!r}: module {name!r} failed to import ({_cause(exc)})") from None
+    except Exception as exc:  # user code: anything may go wrong at import time
+        raise ValueError(f"reward spec {spec!r}: module {name!r} failed to import ({_cause(exc)})") from None
+
+
+def _load_file(spec: str, path: str):
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"reward spec {spec!r}: no file {path}")
+    module_spec = importlib.util.spec_from_file_location(f"async_rl_reward_{abs(hash(str(file.resolve())))}", file)
+    module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+    try:
+        module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as exc:
+        raise ValueError(f"reward spec {spec!r}: cannot load file {path} ({_cause(exc)})") from None
+    return module

@@ -2,6 +2,8 @@
 
 from .messages import (
     MESSAGE_TYPES,
+    EvalGrant,
+    EvalResult,
     ExperienceGroup,
     Goodbye,
     Heartbeat,
@@ -20,6 +22,8 @@ from .wire import SCHEMA, RejectCounter, WireError, WireLimits, decode, encode, 
 __all__ = [
     "MESSAGE_TYPES",
     "SCHEMA",
+    "EvalGrant",
+    "EvalResult",
     "ExperienceGroup",
     "Goodbye",
     "Heartbeat",

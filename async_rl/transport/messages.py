@@ -75,19 +75,26 @@ class WorkRequest(Message):
 
 @dataclass(frozen=True)
 class WorkGrant(Message):
-    """hub -> actor: admitted prompt groups, as parallel lists."""
+    """hub -> actor: admitted prompt groups, as parallel lists. The actor builds the
+    same task from the run's config, so a prompt id names the prompt and its answer."""
 
     KIND: ClassVar[str] = "work_grant"
     groups: list[int] = bounded(lo=0)  # admission indices
     prompt_ids: list[int] = bounded(lo=0)
-    prompts: list[str]
-    answers: list[str]
 
     def check(self, limits: "WireLimits") -> str | None:
-        n = len(self.groups)
-        if not len(self.prompt_ids) == len(self.prompts) == len(self.answers) == n:
-            return "shape_mismatch"
-        return None
+        return "shape_mismatch" if len(self.prompt_ids) != len(self.groups) else None
+
+
+@dataclass(frozen=True)
+class EvalGrant(Message):
+    """hub -> actor: score these held-out prompts with the weights of ``version`` (the
+    actor's own) and push an EvalResult (settings: the run config's ``eval`` section)."""
+
+    KIND: ClassVar[str] = "eval_grant"
+    round: int = bounded(lo=0)
+    version: int = bounded(lo=0)
+    prompt_ids: list[int] = bounded(lo=0)
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,7 @@ class Heartbeat(Message):
     actor_id: int = bounded(lo=0)
     version: int = bounded(lo=0)
     generated_groups: int = bounded(lo=0)
+    peak_rss_mb: float = bounded(lo=0.0, default=0.0)  # the actor process's peak resident memory
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,7 @@ class ExperienceGroup(Message):
     logprobs: np.ndarray = array("float32", 2)  # [G, T], sampling distribution
     token_versions: np.ndarray = array("int32", 2)  # [G, T]
     rewards: np.ndarray = array("float32", 1)  # [G]
+    truncated: np.ndarray = array("uint8", 1)  # [G] 1 = cut at the length limit (no stop token)
     gen_seconds: float = bounded(lo=0.0)
     greedy_reward: Optional[float] = None  # ReMax baseline, when computed
 
@@ -169,6 +178,7 @@ class ExperienceGroup(Message):
             or self.token_versions.shape != (g, t)
             or self.response_lengths.shape != (g,)
             or self.rewards.shape != (g,)
+            or self.truncated.shape != (g,)
         ):
             return "shape_mismatch"
         if g > limits.max_group_size or max(t, len(self.prompt_tokens)) > limits.max_tokens:
@@ -176,7 +186,7 @@ class ExperienceGroup(Message):
         lengths = self.response_lengths
         if g == 0 or (lengths < 0).any() or (lengths > t).any():
             return "bad_value"
-        if (self.prompt_tokens < 0).any() or (self.response_tokens < 0).any():
+        if (self.prompt_tokens < 0).any() or (self.response_tokens < 0).any() or (self.truncated > 1).any():
             return "bad_value"
         # Padding positions carry no meaning; only real tokens are checked.
         valid = np.arange(t)[None, :] < lengths[:, None]
@@ -190,6 +200,28 @@ class ExperienceGroup(Message):
             # exactly the oldest token's, or admission accounting lies.
             if int(versions.min()) != self.version:
                 return "version_mismatch"
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class EvalResult(Message):
+    """actor -> learner: the scores of one EvalGrant, ``k`` samples per prompt."""
+
+    KIND: ClassVar[str] = "eval_result"
+    actor_id: int = bounded(lo=0)
+    round: int = bounded(lo=0)
+    version: int = bounded(lo=0)
+    prompt_ids: list[int] = bounded(lo=0)
+    rewards: np.ndarray = array("float32", 2)  # [n, k]
+    response_lengths: np.ndarray = array("int32", 2)  # [n, k]
+    truncated: np.ndarray = array("uint8", 2)  # [n, k]
+
+    def check(self, limits: "WireLimits") -> str | None:
+        shape = (len(self.prompt_ids), self.rewards.shape[1])
+        if self.response_lengths.shape != shape or self.truncated.shape != shape:
+            return "shape_mismatch"
+        if (self.response_lengths < 0).any() or (self.truncated > 1).any():
+            return "bad_value"
         return None
 
 
@@ -221,5 +253,5 @@ class TraceSpans(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {cls.KIND: cls for cls in (
-    Hello, Welcome, WorkRequest, WorkGrant, Wait, SyncOrder, SyncDone, Heartbeat, Goodbye,
-    ExperienceGroup, TraceSpans)}
+    Hello, Welcome, WorkRequest, WorkGrant, EvalGrant, Wait, SyncOrder, SyncDone, Heartbeat, Goodbye,
+    ExperienceGroup, EvalResult, TraceSpans)}

@@ -22,7 +22,7 @@ from .messages import MESSAGE_TYPES, Message
 SCHEMA = 1
 
 # Byte order is pinned so that mixed-endian hosts would fail loudly, not silently.
-_DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8"),
+_DTYPES = {"uint8": np.dtype("u1"), "int32": np.dtype("<i4"), "int64": np.dtype("<i8"),
            "float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 _HEADER_KEYS = frozenset({"schema", "kind", "body", "arrays"})
 _ARRAY_KEYS = frozenset({"name", "dtype", "shape"})

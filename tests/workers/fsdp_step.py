@@ -43,7 +43,8 @@ def synthetic_groups(n_groups: int, G: int, seed: int):
             response_tokens=rng.integers(3, 16, size=(G, T)).astype(np.int32),
             response_lengths=lengths,
             logprobs=(-rng.random((G, T)) * 3).astype(np.float32),
-            rewards=rng.integers(0, 2, size=G).astype(np.float32), greedy_reward=None))
+            rewards=rng.integers(0, 2, size=G).astype(np.float32), greedy_reward=None,
+            truncated=(lengths == T).astype(np.uint8)))
     return groups
 
 

@@ -1,7 +1,8 @@
 """torchrun worker (2 ranks): the learner's train_step under several learner options,
 each from the same initial weights and batch; writes every run's updated parameters
 and diagnostics to one safetensors file, `RUN/<name>` keys. The test compares runs:
-packed vs padded micro-batches, activation checkpointing vs none, bf16 vs fp32."""
+packed (shared prompts, and not) vs padded micro-batches, activation checkpointing vs
+none, bf16 vs fp32, DAPO's overlong filter and penalty."""
 import sys
 
 import torch
@@ -24,13 +25,18 @@ RUNS = [(f"{v}-{kind}", v, opts) for v in ("gae", "reinforce_pp", "opmd")
     ("gae-ac", "gae", {"activation_checkpointing": True}),
     ("gae-packed-ac", "gae", {**PACKED, "activation_checkpointing": True}),
     ("ppo-padded", "ppo", {}),
+    ("ppo-packed-unshared", "ppo", {**PACKED, "share_prompt": False}),
+    ("ppo-packed", "ppo", PACKED),
     ("ppo-bf16", "ppo", {"precision": "bf16"}),
+    ("ppo-overlong", "ppo", {"overlong": {"filter": True, "penalty_tokens": 2}}),
 ]
 
 
 def run(name: str, variant: str, opts: dict, model_dir: str, mesh, rank: int, world: int) -> dict:
-    train = {"batch_groups": 4, "group_size": 4, "grad_clip": 1e9, **VARIANTS[variant]}
-    cfg = build_config({"train": train, "learner": {"ranks": 2, "micro_batch_size": 4, "pack": False, **opts}})
+    train = {"batch_groups": 4, "group_size": 4, "grad_clip": 1e9, **VARIANTS[variant],
+             **({"overlong": opts.pop("overlong")} if "overlong" in opts else {})}
+    cfg = build_config({"train": train, "actors": {"max_new_tokens": 5},
+                        "learner": {"ranks": 2, "micro_batch_size": 4, "pack": False, **opts}})
     lc = cfg.learner
     shard = dict(precision=lc.precision, activation_checkpointing=lc.activation_checkpointing)
     policy = shard_model(LlamaForCausalLM.from_pretrained(model_dir), mesh, **shard)

