@@ -13,8 +13,10 @@ never collide and an id alone tells which set a prompt came from.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol, runtime_checkable
@@ -121,31 +123,39 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 
 def _cause(exc: BaseException) -> str:
+    """`Type: first line of the message[, line N]`: one line whatever the exception says."""
     where = f", line {exc.lineno}" if isinstance(exc, SyntaxError) and exc.lineno else ""
-    text = str(exc.msg if isinstance(exc, SyntaxError) else exc).splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}{where}"
+    text = str(exc.msg if isinstance(exc, SyntaxError) else exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}{where}" if text else f"{type(exc).__name__}{where}"
 
 
 def _import(spec: str, name: str):
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        if exc.name and name.startswith(exc.name):
+        # The module itself (or a parent package) is missing, not something it imports.
+        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
             raise ValueError(f"reward spec {spec!r}: no module named {exc.name!r}; it must be importable from the "
                              f"working directory or installed, or give a file: 'path/to/rewards.py:fn'") from None
         raise ValueError(f"reward spec {spec!r}: module {name!r} failed to import ({_cause(exc)})") from None
-    except Exception as exc:  # user code: anything may go wrong at import time
+    except (Exception, SystemExit) as exc:  # user code: anything may go wrong at import time
         raise ValueError(f"reward spec {spec!r}: module {name!r} failed to import ({_cause(exc)})") from None
 
 
 def _load_file(spec: str, path: str):
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ValueError(f"reward spec {spec!r}: no file {path}")
-    module_spec = importlib.util.spec_from_file_location(f"async_rl_reward_{abs(hash(str(file.resolve())))}", file)
+        where = "" if file.is_absolute() else f" in {Path.cwd()}"
+        raise ValueError(f"reward spec {spec!r}: no file {path}{where}")
+    # One module name per file (stable across processes), registered in sys.modules
+    # as an import would be: dataclasses and typing look a class's module up there.
+    name = f"async_rl_reward_{hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]}"
+    module_spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+    sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)  # type: ignore[union-attr]
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # user code: anything may go wrong at import time
+        sys.modules.pop(name, None)
         raise ValueError(f"reward spec {spec!r}: cannot load file {path} ({_cause(exc)})") from None
     return module
