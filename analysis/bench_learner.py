@@ -5,9 +5,10 @@
         [--peak-tflops 989] [--prompt-len 64,256] [--response-len 32,1024]
         [--groups 32] [--group-size 8] [--micro-batch-size 16] [--micro-batch-tokens 16384]
         [--pack-row-tokens N] [--gen-prompts 64]
-        [--gen-tokens 256] [--no-gen] [--cpu]
+        [--gen-tokens 256] [--no-gen] [--cpu] [--model HF_DIR]
 
-Model: a random-initialized `transformers.Qwen2Config` model. Default shape = Qwen2.5-0.5B
+Model: `--model HF_DIR` loads a real one (its weights do not matter here, its shape
+does); otherwise a random-initialized `transformers.Qwen2Config` model. Default shape = Qwen2.5-0.5B
 (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied
 embeddings); `--tiny` = the demo's scale (hidden 64, 2 layers, vocab 16) with the demo's
 batch shapes (64 groups x 8, prompts of 7 tokens, responses of 1-5), so it runs in
@@ -44,7 +45,7 @@ stops early); tokens/s = generated tokens / wall time of `generate`.
 Output: one JSON object per line on stdout:
   {"kind": "learner", "variant", "pack", "share_prompt", "activation_checkpointing", "precision",
    "device", "ranks", "params", "sequences", "tokens", "padded_tokens", "flops_per_step",
-   "step_s" (median), "steps_s" (all), "tokens_per_s", "tflops" (per device), "mfu"}
+   "step_s" (median), "steps_s" (all), "tokens_per_s", "tflops" (per device), "mfu", "peak_rss_gb"}
   {"kind": "generate", "device", "precision", "params", "prompts", "new_tokens",
    "tokens", "seconds", "tokens_per_s"}
 """
@@ -99,6 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-gen", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="an HF model directory instead of the random Qwen2 shape")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu
     # Presets: everything not given on the command line.
@@ -120,11 +122,30 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(args):
-    from transformers import Qwen2Config
+    from transformers import AutoConfig, Qwen2Config
 
     # No EOS: generation runs exactly --gen-tokens steps in every row.
+    if args.model:
+        return AutoConfig.from_pretrained(args.model, eos_token_id=None, bos_token_id=None, pad_token_id=0)
     return Qwen2Config(**(TINY if args.tiny else QWEN25_05B), eos_token_id=None, bos_token_id=None,
                        pad_token_id=0)
+
+
+def make_model(args, mcfg):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank and variant
+    if args.model:
+        return AutoModelForCausalLM.from_pretrained(args.model, config=mcfg, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32)
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far (Linux VmHWM)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
 
 
 def synthetic_batch(args, vocab: int):
@@ -156,7 +177,6 @@ def sync(device: torch.device) -> None:
 
 def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import Qwen2ForCausalLM
 
     from async_rl.config import build_config
     from async_rl.models.sharding import shard_model
@@ -181,8 +201,7 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
                         "micro_batch_tokens": args.micro_batch_tokens, "precision": args.precision,
                         "pack_row_tokens": args.pack_row_tokens,
                         "activation_checkpointing": ac}})
-        torch.manual_seed(args.seed)  # identical initial weights on every rank and variant
-        model = Qwen2ForCausalLM(mcfg).to(device)
+        model = make_model(args, mcfg).to(device)
         n_params = sum(p.numel() for p in model.parameters())
         policy = shard_model(model, mesh, precision=args.precision, activation_checkpointing=ac)
         models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-6))
@@ -206,7 +225,9 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
                     "sequences": int(batch.tokens.shape[0]), "tokens": int(computed.sum()),
                     "padded_tokens": int(batch.tokens.numel()), "flops_per_step": flops, "step_s": step_s,
                     "steps_s": times, "tokens_per_s": float(computed.sum()) / step_s, "tflops": tflops,
-                    "mfu": tflops / args.peak_tflops if device.type == "cuda" else None})
+                    "mfu": tflops / args.peak_tflops if device.type == "cuda" else None,
+                    # Monotone within the process: one variant per run for its own peak.
+                    "peak_rss_gb": peak_rss_gb()})
         del models, policy, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -214,14 +235,11 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
 
 
 def bench_generate(args, device: torch.device) -> dict:
-    from transformers import Qwen2ForCausalLM
-
     from async_rl.engines.torch_engine import TorchEngine
 
     mcfg = model_config(args)
-    torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    engine = TorchEngine(Qwen2ForCausalLM(mcfg), device=device, dtype=dtype)
+    engine = TorchEngine(make_model(args, mcfg), device=device, dtype=dtype)
     rng = np.random.default_rng(args.seed)
     p0, p1 = map(int, args.prompt_len.split(","))
     prompts = [rng.integers(1, mcfg.vocab_size, size=int(rng.integers(p0, p1 + 1))).tolist()

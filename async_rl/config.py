@@ -125,6 +125,7 @@ class TrainConfig(_Section):
 class SyncConfig(_Section):
     every: int = Field(1, ge=1, description="Broadcast weights to actors every this many learner steps.")
     bucket_mb: float = Field(16.0, gt=0.0, description="Flat bucket size for the weight broadcast; an upper bound: a model smaller than four buckets gets smaller ones (not under 1 MiB), so copying bucket i+1 overlaps sending bucket i. With actors.engine=vllm: vLLM's packed buffer size.")
+    double_buffer: bool = Field(True, description="Learner rank 0 keeps two bucket sets, so that publishing new weights never waits for a broadcast still under way (its members' arrival included). false: one set, one full copy of the weights less in rank 0's memory; publish then waits while a broadcast reads it.")
     in_flight: bool = Field(False, description="Also apply new weights between decode steps (torch engine), not only between batches: unfinished responses continue on the new weights (KV cache kept), each token records its version, a sample's version is its oldest token's.")
     in_flight_poll_s: float = Field(0.05, ge=0.0, description="sync.in_flight: between decode steps, ask the hub for a waiting broadcast at most this often (a loopback round trip costs ~0.2 ms, so 50 ms keeps polling under 1% of generation while new weights land within ~50 ms of their broadcast).")
     timeout_s: float = Field(60.0, gt=0.0, description="Timeout of the broadcast group's rendezvous and collectives.")

@@ -86,6 +86,11 @@ def check_task(cfg: Config) -> None:
     the reward on a sample, so that user code and data fail here in one line (exit 2)
     instead of in every spawned process. A reward given as a file path is made absolute."""
     spec = cfg.task.reward
+    # The spawned processes get the working directory on their path (_child_env); so
+    # does this check, also when run as the `async-rl` script (whose path starts at the
+    # script's own directory, not the working directory).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     if spec and ".py:" in spec and not Path(spec.rsplit(":", 1)[0]).is_absolute():
         file, fn = spec.rsplit(":", 1)
         cfg.task.reward = f"{Path(file).resolve()}:{fn}"

@@ -50,6 +50,13 @@ def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):
     tok = AutoTokenizer.from_pretrained(run / "final")
     out = model.generate(**tok("12+34=", return_tensors="pt"), max_new_tokens=3, do_sample=False)
     assert out.shape[1] > len(tok("12+34=")["input_ids"])
+    # analysis/eval_model.py scores final/ as the actors scored its version at the end.
+    scored = subprocess.run([sys.executable, str(ROOT / "analysis/eval_model.py"), str(run / "config.yaml"),
+                             str(run / "final"), "--threads", "1"], capture_output=True, text=True, timeout=120,
+                            check=True).stdout.splitlines()
+    last = max(evals, key=lambda e: e["step"])
+    assert json.loads(scored[0])["eval/accuracy"] == pytest.approx(last["eval/accuracy"])
+    assert json.loads(scored[0])["eval/prompts"] == 32
 
 
 def test_synchronous_baseline_has_zero_staleness(tmp_path, demo_model):

@@ -323,13 +323,15 @@ def test_hub_answers_polls_during_a_grant_and_takes_mixed_version_groups(tmp_pat
 def test_in_flight_run_has_mixed_version_samples(tmp_path, demo_model) -> None:
     run = tmp_path / "in_flight"
     # Generation has to span learner steps: long responses (a hot sampler rarely picks
-    # EOS) and enough steps after the start-up, where the actor runs ahead, to see it.
-    train(run, demo_model, "sync.in_flight=true", "train.max_steps=10", "max_staleness=2", "learner.ranks=1",
+    # EOS) and enough steps after the start-up, where the actor runs ahead, to see it
+    # (steps of the barely trained demo model take tens of milliseconds, so whether a
+    # publish lands inside a generation is up to the scheduler: 40 steps make it sure).
+    train(run, demo_model, "sync.in_flight=true", "train.max_steps=40", "max_staleness=2", "learner.ranks=1",
           "actors.groups_per_request=8", "actors.temperature=3.0", "actors.max_new_tokens=64", "eval.every=0",
           "task.max_prompt_tokens=16",  # responses run past the demo model's 64 positions: allow it
           timeout=120)
     steps, _ = read_metrics(run)
-    assert [s["step"] for s in steps] == list(range(1, 11))
+    assert [s["step"] for s in steps] == list(range(1, 41))
     for s in steps:
         # Every group passed the hub's check that its version is its oldest token's ...
         assert s["wire/rejected"] == 0

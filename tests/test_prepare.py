@@ -95,8 +95,13 @@ def test_a_reward_module_in_the_working_directory_reaches_the_spawned_processes(
     learner and the actor import it too (the launcher puts the directory on their path)."""
     (tmp_path / "my_rewards.py").write_text("def score(prompt, response, answer):\n"
                                             "    return float(response.strip() == answer)\n")
+    # Run as the installed `async-rl` script runs: its path starts at the script's own
+    # directory, not at the working directory (`python -m` would hide that difference).
+    script = tmp_path / "bin" / "async-rl"
+    script.parent.mkdir()
+    script.write_text("import sys\nfrom async_rl.cli import main\nsys.exit(main())\n")
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"),
+    proc = subprocess.run([sys.executable, str(script), "train", str(ROOT / "configs/demo.yaml"),
                            f"run_dir={run}", f"model.path={demo_model}", "task.name=jsonl",
                            f"task.train_path={data}", "task.reward=my_rewards:score", "learner.ranks=1",
                            "train.max_steps=2", "train.batch_groups=4", "train.group_size=2",

@@ -90,6 +90,37 @@ def test_publish_broadcasts_a_bucket_before_the_rest_is_filled():
         bc.close()
 
 
+def test_one_bucket_set_makes_publish_wait_for_the_broadcast_that_reads_it():
+    """sync.double_buffer=false: one full copy of the weights on rank 0, not two; a publish
+    during a broadcast waits for it instead of overwriting what is being sent."""
+    source = [(f"w{i}", torch.full((64,), float(i))) for i in range(4)]
+    bc = WeightBroadcaster(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="gloo", device=CPU,
+                           timeout_s=10, double_buffer=False)
+    params = [(n, torch.zeros(64)) for n, _ in source]
+    receiver = WeightReceiver(params, bucket_mb=256 / 2**20, backend="gloo", timeout_s=10)
+    published = threading.Event()
+    try:
+        assert len(bc._sets) == 1
+        bc.set_members([1])
+        bc.publish(1, iter([(n, t + 100) for n, t in source]))
+        job = wait_for_job(bc, [1])  # the thread now reads the set: it waits for the member to arrive
+        assert job.version == 1
+        second = threading.Thread(target=lambda: (bc.publish(2, iter(source)), published.set()))
+        second.start()
+        assert not published.wait(0.5)  # still waiting: the broadcast of version 1 holds the set
+        receiver.receive(epoch=job.epoch, rank=1, world_size=2, store_host=bc.host, store_port=bc.port)
+        assert all(torch.equal(p, s + 100) for (_, p), (_, s) in zip(params, source))  # version 1, intact
+        assert published.wait(10)
+        deadline = time.time() + 10
+        while (bc.job() is None or bc.job().version != 2) and time.time() < deadline:
+            time.sleep(0.005)
+        receiver.receive(epoch=bc.job().epoch, rank=1, world_size=2, store_host=bc.host, store_port=bc.port)
+        assert all(torch.equal(p, s) for (_, p), (_, s) in zip(params, source)) and receiver.intact
+        second.join(timeout=5)
+    finally:
+        bc.close()
+
+
 def test_transport_choice_store_entry_and_config():
     cuda = torch.device("cuda", 0)
     nccl_learner = dict(learner_backend="nccl", learner_host="a", learner_gpu="GPU-1", host="a")

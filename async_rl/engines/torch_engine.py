@@ -103,6 +103,8 @@ class TorchEngine:
         # `logits_to_keep` then skip the [B, T, V] projection at prefill.
         params = inspect.signature(self.model.forward).parameters
         self._logits_to_keep = "logits_to_keep" in params
+        # transformers 5.x renamed the KV-cache argument (`past_key_values` is deprecated).
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     # ----------------------------------------------------------------- protocol
 
@@ -244,9 +246,9 @@ class TorchEngine:
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
         )
+        kwargs[self._cache_arg] = cache
         if self._logits_to_keep:
             kwargs["logits_to_keep"] = 1
         out = self.model(**kwargs)

@@ -110,7 +110,8 @@ class Learner:
         self.broadcaster = WeightBroadcaster(self.specs, bucket_mb=cfg.sync.bucket_mb, host=cfg.transport.host,
                                              backend=sync_backend(self.device), device=self.device,
                                              timeout_s=cfg.sync.timeout_s, transport=cfg.sync.transport,
-                                             port=cfg.transport.store_port, engine=cfg.actors.engine)
+                                             port=cfg.transport.store_port, engine=cfg.actors.engine,
+                                             double_buffer=cfg.sync.double_buffer)
         # The run's timeline (trace.json): this thread's spans, and the actors' via the coordinator.
         self.trace = TraceWriter(self.run_dir / "trace.json", resume=resume)
         self.spans = self.trace.learner

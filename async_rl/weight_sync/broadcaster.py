@@ -1,13 +1,14 @@
-"""Learner rank 0's side of the weight sync: the store, two bucket sets, the broadcast thread.
+"""Learner rank 0's side of the weight sync: the store, the bucket sets, the broadcast thread.
 
-Double buffering: `publish` fills the set that is not being broadcast and returns
-without waiting for actors; the broadcast thread takes the newest filled set and
-sends it while training goes on (schedule.py: a pipelined chain on gloo, a broadcast
-per bucket on NCCL). Filling and sending overlap bucket by bucket: the thread may
-take up a set that `publish` is still filling and send bucket i as soon as it is
-complete, while bucket i+1 is being gathered and copied (analysis/bench_sync.py, CPU,
-217 MiB, 2 receivers, loaded machine, per-bucket broadcasts: bucketed/flat 0.86-0.92
-with the overlap, 0.78-0.84 without; on a GPU the gather overlaps too).
+Double buffering (`sync.double_buffer`, the default): `publish` fills the set that is
+not being broadcast and returns without waiting for actors; the broadcast thread takes
+the newest filled set and sends it while training goes on (schedule.py: a pipelined
+chain on gloo, a broadcast per bucket on NCCL). With one set (`double_buffer=False`,
+one full copy of the weights less on rank 0), `publish` first waits until no
+broadcast reads the set. Either way filling and sending overlap bucket by bucket: the
+thread may take up a set that `publish` is still filling and send bucket i as soon as
+it is complete, while bucket i+1 is being gathered and copied (analysis/bench_sync.py
+measures the gain; on a GPU the gather overlaps too).
 
 On CUDA the buckets live on the device: publish copies on the learner's stream and
 records one event per bucket; the thread broadcasts on a side stream that waits on
@@ -67,7 +68,7 @@ class _Epoch:
 class WeightBroadcaster:
     def __init__(self, specs: list[tuple[str, tuple[int, ...], torch.dtype]], *, bucket_mb: float, host: str,
                  backend: str, device: torch.device, timeout_s: float, transport: str = "auto", port: int = 0,
-                 engine: str = "torch"):
+                 engine: str = "torch", double_buffer: bool = True):
         check_transport(transport, device)
         if engine not in ("torch", "vllm"):
             raise ValueError(f"engine: expected 'torch' or 'vllm', got {engine!r}")
@@ -88,8 +89,11 @@ class WeightBroadcaster:
         # gloo sends from host memory (schedule.py's point-to-point ops take host
         # pointers only), so a GPU learner on gloo copies straight to the host in publish.
         bucket_device = torch.device("cpu") if self.backend == "gloo" and engine == "torch" else device
-        self._sets = [_BucketSet(self.plan, bucket_device), _BucketSet(self.plan, bucket_device)]
-        self._send_idx = 0  # the set being (or last) broadcast; publish fills the other one
+        # Two sets cost a second full copy of the weights on rank 0; one set makes publish
+        # wait while a broadcast is under way (its members' arrival included).
+        self._sets = [_BucketSet(self.plan, bucket_device) for _ in range(2 if double_buffer else 1)]
+        self._send_idx = 0  # the set being (or last) broadcast; publish fills the next one
+        self._reading = False  # a job of the thread reads self._sets[self._send_idx]
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ipc_exported = False
         self.group: Any = None
@@ -109,9 +113,13 @@ class WeightBroadcaster:
     # -- called by the learner's main thread ------------------------------------
     def publish(self, version: int, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Copy full (gathered) tensors into the free bucket set; returns without waiting
-        for actors. The broadcast of a bucket may start as soon as it is complete."""
+        for actors. The broadcast of a bucket may start as soon as it is complete.
+        With one bucket set, first waits until no broadcast reads it (a broadcast takes
+        at most its members' arrival plus the transfer, each bounded by timeout_s)."""
         with self._cond:
-            target = self._sets[1 - self._send_idx]  # never the set a broadcast is reading
+            while len(self._sets) == 1 and self._reading and not self._stop:
+                self._cond.wait(timeout=0.5)
+            target = self._sets[(self._send_idx + 1) % len(self._sets)]  # never a set a broadcast is reading
             target.ready = [False] * len(self.plan)
             target.broken = False
             self._pending_version = version
@@ -180,10 +188,10 @@ class WeightBroadcaster:
                 if self._stop:
                     return
                 if self._pending_version is not None and self._pending_version != self._sent_version:
-                    self._send_idx = 1 - self._send_idx
+                    self._send_idx = (self._send_idx + 1) % len(self._sets)
                     self._sent_version, self._pending_version = self._pending_version, None
                 job = SyncJob(self._epoch, self._sent_version, self._members)  # type: ignore[arg-type]
-                self._job = job
+                self._job, self._reading = job, True
                 source = self._sets[self._send_idx]
             started = time.monotonic()
             try:
@@ -206,7 +214,9 @@ class WeightBroadcaster:
                 with self._cond:
                     self._epoch += 1  # a fresh store prefix for the retry
             finally:
-                self._job = None
+                with self._cond:
+                    self._job, self._reading = None, False
+                    self._cond.notify_all()
 
     def _form_epoch(self, job: SyncJob) -> _Epoch:
         """Decide (rank 0 alone) and build the epoch's group: vLLM's trainer group, our

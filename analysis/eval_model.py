@@ -1,0 +1,81 @@
+"""Score a model directory on a run config's held-out prompts, outside any run.
+
+    python analysis/eval_model.py CONFIG MODEL_DIR [overrides ...] [--show N] [--threads 2]
+
+The same path as an actor's evaluation round: the config's task, chat template, stop
+tokens and reward, `eval.size` prompts, `eval.pass_k` samples each, `eval.temperature`
+(greedy by default) and `eval.max_new_tokens`, in chunks of `eval.batch_size`. Use it
+to compare a base model with a run's `final/`, or to ask how much of a gain is format:
+`eval.max_new_tokens=64` scores both without the training length limit.
+
+Prints one JSON line (the run's `eval/*` keys plus `model`, `max_new_tokens`, `seconds`)
+and, with --show N, the first N prompts as the model saw them with its responses.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config")
+    ap.add_argument("model", help="an HF model directory (a run's final/, or the base model)")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. eval.max_new_tokens=64")
+    ap.add_argument("--show", type=int, default=0, help="print this many prompts and responses")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    from async_rl.config import ConfigError, load_config
+    from async_rl.engines import make_engine
+    from async_rl.evaluation import score_prompts, summarize
+    from async_rl.prompting import stop_token_ids
+    from async_rl.runtime import make_prompt_format, make_task_from_config, quiet_libraries
+
+    try:
+        cfg = load_config(args.config, [*args.overrides, f"model.path={args.model}"])
+    except ConfigError as err:
+        print(f"eval_model: {err}", file=sys.stderr)
+        return 2
+    quiet_libraries()
+    torch.set_num_threads(args.threads)
+    prompt_format = make_prompt_format(cfg)
+    stops = dict(eos_token_id=stop_token_ids(args.model, prompt_format.tokenizer))
+    if cfg.actors.stop:
+        stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
+    engine = make_engine("torch", model_or_path=args.model, device=torch.device("cpu"), **stops)
+    task = make_task_from_config(cfg)
+    e = cfg.eval
+    prompts = task.eval_prompts()[:e.size]
+    max_new = e.max_new_tokens or cfg.actors.max_new_tokens
+    generator = torch.Generator().manual_seed(cfg.seed)
+    # The responses themselves, for --show: the reward is called once per sample, in order.
+    shown: list[str] = []
+
+    def reward(prompt, response, answer):
+        if len(shown) < args.show * e.pass_k:
+            shown.append(response)
+        return task.reward(prompt, response, answer)
+
+    started = time.perf_counter()
+    parts = [score_prompts(engine, prompt_format, task, prompts[i:i + e.batch_size], samples=e.pass_k,
+                           max_new_tokens=max_new, temperature=e.temperature, generator=generator, reward=reward)
+             for i in range(0, len(prompts), e.batch_size)]
+    seconds = time.perf_counter() - started
+    rewards, lengths, truncated = (np.concatenate([p[k] for p in parts]) for k in range(3))
+    line = {"model": args.model, "max_new_tokens": max_new, **summarize(rewards, lengths, truncated),
+            "seconds": round(seconds, 1)}
+    print(json.dumps(line), flush=True)
+    for i, prompt in enumerate(prompts[:args.show]):
+        print(f"--- held-out prompt {i} (answer {prompt.answer}, reward {rewards[i, 0]:g})\n"
+              f"{prompt_format.render(prompt)}{shown[i * e.pass_k]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
