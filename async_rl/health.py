@@ -43,6 +43,8 @@ class RunHealth:
         return issued
 
     def _message(self, name: str, rewards: np.ndarray, truncated: np.ndarray) -> str:
+        if name == "one_token" and self.max_new_tokens <= 1:
+            return f"most responses are one token long for {self.steps} steps: actors.max_new_tokens is 1"
         if name == "one_token":
             cause = ("the model ends its turn at once; a chat model needs its chat template (task.chat_template: it is "
                      "off or the tokenizer has none)" if not self.uses_chat else

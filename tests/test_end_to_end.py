@@ -59,6 +59,39 @@ def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):
     assert json.loads(scored[0])["eval/prompts"] == 32
 
 
+def test_cut_responses_are_flagged_to_the_learner_and_a_run_that_cannot_learn_says_so(tmp_path, demo_model):
+    """One new token allowed: a response is cut unless that token is the stop token. The
+    flag travels with every sample over the wire into the learner's buffer and its
+    metrics (train/truncated_frac), and the evaluation counts it too. With one-token
+    responses and a reward that never varies, the learner warns once about each, in
+    one line with the likely cause, and trains on."""
+    import numpy as np
+
+    from async_rl.checkpoint import BUFFER_FILE, read_groups
+
+    run = tmp_path / "cut"
+    (tmp_path / "never.py").write_text("def score(prompt, response, answer):\n    return 0.0\n")
+    proc = train(run, demo_model, "train.max_steps=3", "learner.ranks=1", "eval.every=0", "eval.size=16",
+                 "actors.max_new_tokens=1", "metrics.warn_after_steps=2", f"task.reward={tmp_path / 'never.py'}:score")
+    for needle, cause in (("most responses are one token long for 2 steps", "actors.max_new_tokens is 1"),
+                          ("every group has the same reward for all its samples for 2 steps",
+                           "are cut at actors.max_new_tokens=1")):
+        lines = [line for line in proc.stderr.splitlines() if needle in line]
+        assert len(lines) == 1 and cause in lines[0], proc.stderr[-2000:]
+    steps, evals = read_metrics(run)
+    assert len(steps) == 3 and all(s["train/response_len_max"] == 1 for s in steps)
+    # The barely trained demo model seldom stops at once: most samples are cut.
+    assert all(0.5 < s["train/truncated_frac"] <= 1.0 for s in steps)
+    assert all(e["eval/response_len_mean"] == 1 and e["eval/truncated_frac"] > 0.5 for e in evals)
+    # The groups still buffered at the end, as the learner received them: cut iff the
+    # one token is not EOS (id 2 in the demo tokenizer).
+    groups = [g for _, _, g in read_groups(sorted((run / "checkpoints").iterdir())[-1] / BUFFER_FILE)]
+    assert groups
+    for g in groups:
+        assert (g.response_lengths == 1).all()
+        np.testing.assert_array_equal(g.truncated.astype(bool), g.response_tokens[:, 0] != 2)
+
+
 def test_synchronous_baseline_has_zero_staleness(tmp_path, demo_model):
     run = tmp_path / "sync"
     train(run, demo_model, "train.max_steps=3", "max_staleness=0", "actors.count=2", "learner.ranks=1",

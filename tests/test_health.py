@@ -41,14 +41,3 @@ def test_zero_variance_names_truncation_or_a_constant_reward():
     (msg,) = health.check(*batch([1, 1, 0, 0], [3] * 4), group_size=2)  # equal within each group
     assert "every sample scores 0.5" in msg
 
-
-def test_a_real_run_says_it_once_in_one_line(tmp_path, demo_model):
-    """The learner feeds every batch to the check: a reward that never varies is reported
-    on the console once, after the streak, while training goes on."""
-    from conftest import train
-
-    (tmp_path / "never.py").write_text("def score(prompt, response, answer):\n    return 0.0\n")
-    proc = train(tmp_path / "run", demo_model, "train.max_steps=4", "learner.ranks=1", "eval.every=0",
-                 "metrics.warn_after_steps=2", f"task.reward={tmp_path / 'never.py'}:score")
-    lines = [line for line in proc.stderr.splitlines() if "every group has the same reward" in line]
-    assert len(lines) == 1 and "for 2 steps" in lines[0] and "no response ever scores" in lines[0]
