@@ -53,7 +53,7 @@ def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):
     # analysis/eval_model.py scores final/ as the actors scored its version at the end.
     scored = subprocess.run([sys.executable, str(ROOT / "analysis/eval_model.py"), str(run / "config.yaml"),
                              str(run / "final"), "--threads", "1"], capture_output=True, text=True, timeout=120,
-                            check=True).stdout.splitlines()
+                            check=True, env=subprocess_env()).stdout.splitlines()
     last = max(evals, key=lambda e: e["step"])
     assert json.loads(scored[0])["eval/accuracy"] == pytest.approx(last["eval/accuracy"])
     assert json.loads(scored[0])["eval/prompts"] == 32
