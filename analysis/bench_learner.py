@@ -68,6 +68,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from async_rl.batching import build_batch, order_for_ranks  # noqa: E402
+from async_rl.runtime import peak_rss_mb  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
@@ -138,14 +139,6 @@ def make_model(args, mcfg):
     if args.model:
         return AutoModelForCausalLM.from_pretrained(args.model, config=mcfg, dtype=torch.float32)
     return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32)
-
-
-def peak_rss_gb() -> float:
-    """This process's peak resident memory so far (Linux VmHWM)."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
 
 
 def synthetic_batch(args, vocab: int):
@@ -227,7 +220,7 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
                     "steps_s": times, "tokens_per_s": float(computed.sum()) / step_s, "tflops": tflops,
                     "mfu": tflops / args.peak_tflops if device.type == "cuda" else None,
                     # Monotone within the process: one variant per run for its own peak.
-                    "peak_rss_gb": peak_rss_gb()})
+                    "peak_rss_gb": peak_rss_mb() / 1024})
         del models, policy, model
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -58,3 +58,10 @@ def test_reference_lists_every_contract_key():
                 "train.group_size", "train.loss", "train.advantage", "sync.every", "sync.bucket_mb",
                 "sync.in_flight", "eval.every", "checkpoint.every"]:
         assert f"`{key}`" in doc
+
+
+def test_the_config_page_is_the_generated_reference():
+    """docs/config.md holds the table `async-rl config-doc` prints, as of this code."""
+    from conftest import ROOT
+
+    assert reference_markdown().strip() in (ROOT / "docs" / "config.md").read_text()

@@ -93,7 +93,6 @@ class WeightBroadcaster:
         # wait while a broadcast is under way (its members' arrival included).
         self._sets = [_BucketSet(self.plan, bucket_device) for _ in range(2 if double_buffer else 1)]
         self._send_idx = 0  # the set being (or last) broadcast; publish fills the next one
-        self._reading = False  # a job of the thread reads self._sets[self._send_idx]
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ipc_exported = False
         self.group: Any = None
@@ -117,7 +116,7 @@ class WeightBroadcaster:
         With one bucket set, first waits until no broadcast reads it (a broadcast takes
         at most its members' arrival plus the transfer, each bounded by timeout_s)."""
         with self._cond:
-            while len(self._sets) == 1 and self._reading and not self._stop:
+            while len(self._sets) == 1 and self._job is not None and not self._stop:  # a job reads the set
                 self._cond.wait(timeout=0.5)
             target = self._sets[(self._send_idx + 1) % len(self._sets)]  # never a set a broadcast is reading
             target.ready = [False] * len(self.plan)
@@ -191,7 +190,7 @@ class WeightBroadcaster:
                     self._send_idx = (self._send_idx + 1) % len(self._sets)
                     self._sent_version, self._pending_version = self._pending_version, None
                 job = SyncJob(self._epoch, self._sent_version, self._members)  # type: ignore[arg-type]
-                self._job, self._reading = job, True
+                self._job = job
                 source = self._sets[self._send_idx]
             started = time.monotonic()
             try:
@@ -215,7 +214,7 @@ class WeightBroadcaster:
                     self._epoch += 1  # a fresh store prefix for the retry
             finally:
                 with self._cond:
-                    self._job, self._reading = None, False
+                    self._job = None
                     self._cond.notify_all()
 
     def _form_epoch(self, job: SyncJob) -> _Epoch:
