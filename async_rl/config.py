@@ -1,7 +1,7 @@
 """Typed run configuration: YAML file + dotted CLI overrides, validated by pydantic.
 
-Each field is documented once, here, in its `Field(description=...)`; the README's
-config reference is generated from these descriptions (`async-rl config-doc`).
+Each field is documented once, here, in its `Field(description=...)`; the
+config reference (docs/config.md) is generated from these descriptions (`async-rl config-doc`).
 Validation failures become one line naming the dotted key (`ConfigError`), and the
 CLI turns that into exit status 2.
 """
@@ -299,7 +299,7 @@ def from_yaml(text: str) -> Config:
 
 
 def reference_markdown() -> str:
-    """Config reference table for the README, generated from the Field descriptions."""
+    """Config reference table for docs/config.md, generated from the Field descriptions."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
 
     def walk(model: type[BaseModel], prefix: str) -> None:

@@ -1,6 +1,6 @@
 """analysis/fault_drill.py on a tiny real run: its hostile-traffic fuzzer and its
 kill-the-whole-job-then-resume orchestration (the kill-actor path is the same as
-tests/test_elastic_actors.py). The full-size drill, with its accuracy target, is in the README."""
+tests/test_elastic_actors.py). The full-size drill, with its accuracy target, is in docs/faults.md."""
 import json
 import subprocess
 import sys
