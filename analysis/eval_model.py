@@ -8,8 +8,9 @@ tokens and reward, `eval.size` prompts, `eval.pass_k` samples each, `eval.temper
 to compare a base model with a run's `final/`, or to ask how much of a gain is format:
 `eval.max_new_tokens=64` scores both without the training length limit.
 
-Prints one JSON line (the run's `eval/*` keys plus `model`, `max_new_tokens`, `seconds`)
-and, with --show N, the first N prompts as the model saw them with its responses.
+Prints one JSON line (the run's `eval/*` keys plus `model`, `max_new_tokens`, `seconds`,
+and `reward/errors_<reason>` when reward calls failed and scored `reward.fallback`, as
+in a run) and, with --show N, the first N prompts as the model saw them with its responses.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def main(argv=None) -> int:
     from async_rl.evaluation import score_prompts, summarize
     from async_rl.prompting import stop_token_ids
     from async_rl.runtime import make_prompt_format, make_task_from_config, quiet_libraries
+    from async_rl.tasks.reward_guard import REASONS, RewardGuard
 
     try:
         cfg = load_config(args.config, [*args.overrides, f"model.path={args.model}"])
@@ -50,6 +52,7 @@ def main(argv=None) -> int:
         stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
     engine = make_engine("torch", model_or_path=args.model, device=torch.device("cpu"), **stops)
     task = make_task_from_config(cfg)
+    guard = RewardGuard.for_task(task, cfg)
     e = cfg.eval
     prompts = task.eval_prompts()[:e.size]
     max_new = e.max_new_tokens or cfg.actors.max_new_tokens
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
     def reward(prompt, response, answer):
         if len(shown) < args.show * e.pass_k:
             shown.append(response)
-        return task.reward(prompt, response, answer)
+        return guard(prompt, response, answer)
 
     started = time.perf_counter()
     parts = [score_prompts(engine, prompt_format, task, prompts[i:i + e.batch_size], samples=e.pass_k,
@@ -70,6 +73,8 @@ def main(argv=None) -> int:
     rewards, lengths, truncated = (np.concatenate([p[k] for p in parts]) for k in range(3))
     line = {"model": args.model, "max_new_tokens": max_new, **summarize(rewards, lengths, truncated),
             "seconds": round(seconds, 1)}
+    if sum(guard.totals):
+        line.update({f"reward/errors_{reason}": n for reason, n in zip(REASONS, guard.totals)})
     print(json.dumps(line), flush=True)
     for i, prompt in enumerate(prompts[:args.show]):
         print(f"--- held-out prompt {i} (answer {prompt.answer}, reward {rewards[i, 0]:g})\n"

@@ -3,10 +3,15 @@ and coordinator's state) and the final Hugging Face directory.
 
 A checkpoint is written under `step_NNNNNN.partial` and renamed when every file is
 complete: the rename is the commit point, so `--resume` never sees a half-written one.
+Just before it, rank 0 writes `manifest.json` (checkpoint_integrity.py): a committed
+checkpoint whose files were damaged later is detected, set aside as `step_N.damaged`,
+and `--resume` falls back to the newest intact one.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import os
 import re
 import shutil
@@ -19,9 +24,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from .checkpoint_integrity import MANIFEST, CheckpointError, check_partition, verify_checkpoint, write_manifest
+
 STATE_FILE = "coordinator.json"  # learner counters + coordinator state, written by rank 0
 BUFFER_FILE = "buffer.msgpack"  # the replay buffer's groups, in wire format
 _COMPLETE = re.compile(r"step_(\d{6,})")
+log = logging.getLogger("async_rl.checkpoint")
 
 Parts = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
 
@@ -38,7 +46,8 @@ def save_checkpoint(path: Path, parts: Parts, state: dict | None,
     """Collective: every learner rank calls it. `parts` names each trained (model,
     optimizer) pair, e.g. {"model": ..., "critic": ...}, stored as NAME and NAME_optim in
     one DCP checkpoint. Rank 0 passes `state` (JSON) and `write_extra(dir)` for its own
-    files; after the commit it keeps only the newest `keep` checkpoints."""
+    files, commits (see _commit) and only then keeps the newest `keep` checkpoints. When
+    rank 0 fails, every rank raises and nothing is committed."""
     tmp = path.with_name(path.name + ".partial")
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -46,40 +55,119 @@ def save_checkpoint(path: Path, parts: Parts, state: dict | None,
     dist.barrier()
     dcp.save(_sharded_state(parts), checkpoint_id=str(tmp))
     dist.barrier()
+    error = None
     if dist.get_rank() == 0:
-        if write_extra is not None:
-            write_extra(tmp)
-        (tmp / STATE_FILE).write_text(json.dumps(state or {}, indent=1))
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        if keep:
-            for old in complete_checkpoints(path.parent)[:-keep]:
+        try:
+            _commit(tmp, path, state, write_extra, keep)
+        except Exception as err:  # re-raised below, once the other ranks have heard of it
+            error = err
+    # In place of a barrier: the other ranks learn that rank 0 failed and stop now,
+    # instead of waiting in a barrier until the collective timeout.
+    outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(outcome, src=0)
+    if error is not None:
+        raise error
+    if outcome[0] is not None:
+        raise CheckpointError(f"{path.name} not committed: rank 0 failed ({outcome[0]})")
+
+
+def _commit(tmp: Path, path: Path, state: dict | None, write_extra: Callable[[Path], None] | None,
+            keep: int | None) -> None:
+    """Rank 0's part of save_checkpoint, once the DCP shards are in `tmp`."""
+    if write_extra is not None:
+        write_extra(tmp)
+    (tmp / STATE_FILE).write_text(json.dumps(state or {}, indent=1))
+    if state and "coordinator" in state:
+        # Read back what is about to be committed: the buffer file must decode in full
+        # and, with the state, account for every admitted slot. A checkpoint with a
+        # hole would make a resumed learner wait forever for a slot nobody generates.
+        check_partition(state["coordinator"], [index for index, _, _ in read_groups(tmp / BUFFER_FILE)])
+    write_manifest(tmp)  # last: it marks the directory complete
+    _fsync_dir(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)  # the commit is on disk before rotation deletes anything
+    if keep:
+        # `path` is verified (its manifest was computed from the files read back) and
+        # committed; `.damaged` and `.partial` directories are never listed, so never
+        # counted nor deleted.
+        for old in complete_checkpoints(path.parent)[:-keep]:
+            if old != path:
                 shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
 
 
-def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
-    """Committed checkpoints, oldest first (`.partial` directories are never listed)."""
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _committed(checkpoints_dir: Path) -> list[Path]:
+    """Every `step_N` directory (renamed from `.partial`, so once complete), oldest first."""
     if not checkpoints_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in checkpoints_dir.iterdir()
-             if (m := _COMPLETE.fullmatch(p.name)) and (p / STATE_FILE).exists()]
+    found = [(int(m.group(1)), p) for p in checkpoints_dir.iterdir() if (m := _COMPLETE.fullmatch(p.name))]
     return [p for _, p in sorted(found)]
 
 
+def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
+    """Committed checkpoints with a manifest, oldest first, unverified (`.partial` and
+    `.damaged` directories are never listed)."""
+    return [p for p in _committed(checkpoints_dir) if (p / MANIFEST).is_file()]
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint, unverified: see latest_intact_checkpoint to resume."""
     found = complete_checkpoints(run_dir / "checkpoints")
     return found[-1] if found else None
 
 
+def latest_intact_checkpoint(run_dir: Path, warn: Callable[[str], None] = log.warning
+                             ) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint of `run_dir` that verifies or None, "NAME: reason" for each
+    newer damaged one), walking newest to oldest. When an intact one is found, each damaged
+    one is renamed NAME.damaged with one `warn` line: rotation and later resumes pass over
+    it, the evidence stays. When none is, nothing is renamed: the caller refuses, and a
+    second attempt gives the same reasons."""
+    damaged: list[tuple[Path, str]] = []
+    for path in reversed(_committed(run_dir / "checkpoints")):
+        reason = verify_checkpoint(path)
+        if reason is None:
+            for bad, why in damaged:
+                kept = _set_aside(bad)
+                warn(f"checkpoint {bad.name} is damaged ({why}), kept as {kept.name}; resuming from an earlier one")
+            return path, [f"{bad.name}: {why}" for bad, why in damaged]
+        damaged.append((path, reason))
+    return None, [f"{bad.name}: {why}" for bad, why in damaged]
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to NAME.damaged (NAME.damaged.N if taken); returns it."""
+    for n in itertools.count():
+        target = path.with_name(f"{path.name}.damaged" + (f".{n}" if n else ""))
+        if not target.exists():
+            os.rename(path, target)
+            return target
+    raise AssertionError("unreachable")
+
+
 def load_checkpoint(path: Path, parts: Parts) -> dict:
     """Collective: load the sharded model/optimizer pairs in place (resharding to this
-    world size if it changed) and return the JSON state."""
+    world size if it changed) and return the JSON state (read first: a garbled one
+    raises CheckpointError before the shards are loaded)."""
+    try:
+        saved = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as err:  # ValueError: also a decode error
+        raise CheckpointError(f"{path.name}/{STATE_FILE}: unreadable ({type(err).__name__}: {err})") from None
+    if type(saved) is not dict:
+        raise CheckpointError(f"{path.name}/{STATE_FILE}: not a JSON object")
     state = _sharded_state(parts)
     dcp.load(state, checkpoint_id=str(path))
     for name, (model, optimizer) in parts.items():
         set_state_dict(model, optimizer, model_state_dict=state[name], optim_state_dict=state[f"{name}_optim"])
-    return json.loads((path / STATE_FILE).read_text())
+    return saved
 
 
 def write_groups(path: Path, groups: list[tuple[int, int, object]]) -> None:
@@ -94,14 +182,36 @@ def write_groups(path: Path, groups: list[tuple[int, int, object]]) -> None:
 
 
 def read_groups(path: Path) -> list[tuple[int, int, object]]:
-    from .transport import WireLimits, decode
+    """The records of a write_groups file, all of them or an error: CheckpointError when
+    the file is missing, truncated or not a sequence of records (the unpacker alone stops
+    quietly at a truncated tail), WireError when a record's message does not validate."""
+    from .transport import WireError, WireLimits, decode
 
-    if not path.exists():
-        return []
     limits = WireLimits()
-    with open(path, "rb") as f:
-        unpacker = msgpack.Unpacker(f, max_buffer_size=limits.max_message_bytes + 2**20)
-        return [(int(index), int(version), decode(frames, limits)) for index, version, frames in unpacker]
+    groups = []
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            unpacker = msgpack.Unpacker(f, max_buffer_size=limits.max_message_bytes + 2**20)
+            for record in unpacker:
+                if not (type(record) is list and len(record) == 3 and type(record[0]) is int
+                        and type(record[1]) is int and type(record[2]) is list):
+                    raise CheckpointError(f"{path.name}: record {len(groups)} is not [index, version, frames]")
+                index, version, frames = record
+                try:
+                    groups.append((index, version, decode(frames, limits)))
+                except WireError as err:
+                    raise WireError(err.reason, f"{path.name} record {len(groups)}: {err.detail}") from None
+            if unpacker.tell() != size:
+                raise CheckpointError(f"{path.name}: truncated after {len(groups)} records "
+                                      f"({size - unpacker.tell()} trailing bytes of {size})")
+    except CheckpointError:
+        raise
+    except OSError as err:
+        raise CheckpointError(f"{path.name}: unreadable ({err.strerror or err})") from None
+    except (msgpack.UnpackException, ValueError) as err:
+        raise CheckpointError(f"{path.name}: garbled after {len(groups)} records ({type(err).__name__})") from None
+    return groups
 
 
 def save_hf_model(params, source: str | Path, tokenizer, out_dir: Path) -> None:

@@ -52,6 +52,14 @@ class ActorsConfig(_Section):
     threads: int = Field(1, ge=1, description="torch intra-op threads per actor (CPU).")
     heartbeat_s: float = Field(1.0, gt=0.0, description="Seconds between actor heartbeats.")
     heartbeat_timeout_s: float = Field(30.0, gt=0.0, description="An actor silent this long is declared dead.")
+    max_restarts: int = Field(3, ge=0, description="async-rl train restarts a local actor that exits unexpectedly at most this many times (each logged); 0 = never.")
+    connect_timeout_s: float = Field(60.0, gt=0.0, description="An actor retries a hub that does not answer, with backoff, for this long, then exits with one line.")
+
+
+class RewardConfig(_Section):
+    timeout_s: float = Field(10.0, gt=0.0, description="A call of task.reward on one response that runs longer is interrupted and scored reward.fallback (counted in reward/errors_timeout). The timer is SIGALRM: it interrupts Python code, not C code that holds the GIL.")
+    fallback: float = Field(0.0, allow_inf_nan=False, description="The reward of a response whose task.reward call raised, timed out or returned NaN, inf or a non-number (None, a string): such a call is counted in reward/errors_<reason> instead of stopping the actor, and the first of each reason is logged in the actor's log (with its traceback when it raised).")
+    max_error_frac: float = Field(0.5, ge=0.0, le=1.0, description="A step whose fraction of samples scored reward.fallback exceeds this stops the run with a checkpoint and exit status 4: the reward is broken, not the odd response (1 = never stop).")
 
 
 class LearnerConfig(_Section):
@@ -172,6 +180,7 @@ class Config(_Section):
     max_staleness: int = Field(2, ge=0, description="Bound eta on sample staleness; 0 = synchronous on-policy baseline.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     actors: ActorsConfig = Field(default_factory=ActorsConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

@@ -34,7 +34,8 @@ log = logging.getLogger("async_rl.eval")
 def score_prompts(engine, prompt_format, task, prompts, *, samples: int, max_new_tokens: int, temperature: float,
                   generator=None, reward=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(rewards, response lengths, truncated), each [len(prompts), samples]. `reward`
-    scores one response (default: the task's own reward)."""
+    scores one response (default: the task's own reward, unguarded; the actors and
+    analysis/eval_model.py pass a RewardGuard, so failing user code scores its fallback)."""
     reward = reward or task.reward
     outputs = engine.generate([prompt_format.encode(p) for p in prompts], n=samples, max_new_tokens=max_new_tokens,
                               greedy=temperature == 0.0, temperature=temperature or 1.0, generator=generator)

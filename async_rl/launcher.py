@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from .checkpoint import latest_checkpoint
+from .checkpoint import latest_intact_checkpoint
 from .config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
 from .runtime import make_prompt_format, make_task_from_config, read_status
 
@@ -44,9 +44,12 @@ def find_resume_checkpoint(cfg: Config, resume: str) -> Path:
         cfg.run_dir = str(run_dir)
     elif Path(cfg.run_dir).resolve() != run_dir:
         raise ConfigError(f"run_dir: {cfg.run_dir} differs from --resume {resume}; a run resumes in its own directory")
-    checkpoint = latest_checkpoint(run_dir)
+    # Verified, newest first: a damaged one is set aside with a warning (or, when none is
+    # intact, named in the refusal), never loaded.
+    checkpoint, damaged = latest_intact_checkpoint(run_dir, log.warning)
     if checkpoint is None:
-        raise ConfigError(f"--resume: no complete checkpoint in {run_dir / 'checkpoints'}")
+        raise ConfigError(f"--resume: no {'intact' if damaged else 'complete'} checkpoint in "
+                          f"{run_dir / 'checkpoints'}" + (f" ({'; '.join(damaged)})" if damaged else ""))
     saved = from_yaml((checkpoint / "config.yaml").read_text())
     if cfg.model.path == "demo":
         cfg.model.path = str(run_dir / "base_model")

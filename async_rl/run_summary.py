@@ -56,6 +56,10 @@ def summary_lines(run_dir: Path) -> list[str]:
                                f"{max(s.get('memory/actor_peak_rss_gb', 0) for s in steps):.2f} GiB per actor"))
     if last.get("data/prompts_skipped"):
         rows.append(("skipped", f"{last['data/prompts_skipped']} prompts over the prompt limit (task.max_prompt_tokens)"))
+    if last.get("reward/errors"):
+        by_reason = ", ".join(f"{k.removeprefix('reward/errors_')} {v}" for k, v in last.items()
+                              if k.startswith("reward/errors_"))
+        rows.append(("reward", f"{last['reward/errors']} calls failed and scored reward.fallback ({by_reason})"))
     if evals:
         rows.append(("eval", f"accuracy {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "
                              f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})"))

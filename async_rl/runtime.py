@@ -81,6 +81,7 @@ def exit_now(code: int) -> None:
 
 
 EXIT_NONFINITE = 3  # `async-rl train` status after repeated non-finite steps
+EXIT_REWARD_ERRORS = 4  # ... after a step with too many samples scored reward.fallback
 STATUS_FILE = "status.json"
 
 

@@ -87,6 +87,13 @@ def make_spans(n: int = 3, **changes) -> TraceSpans:
 
 # Appended, not inserted: CASES below refer to SAMPLES by position.
 SAMPLES += [make_spans(), make_spans(0, dropped=7)]
+# Failed reward calls (per reward_guard.REASONS) travel with experience and eval results.
+SAMPLES += [
+    ExperienceGroup(**{**make_group().__dict__, "reward_errors": [1, 0, 2, 1]}),
+    EvalResult(actor_id=3, round=3, version=7, prompt_ids=[2**48], rewards=np.array([[0.0, 1.0]], np.float32),
+               response_lengths=np.array([[3, 8]], np.int32), truncated=np.array([[0, 1]], np.uint8),
+               reward_errors=[0, 1, 0, 1]),
+]
 
 
 def assert_same(a, b) -> None:
@@ -304,7 +311,20 @@ CASES = {
                                              rewards=np.zeros((2, 1), np.float32),
                                              response_lengths=np.zeros((1, 1), np.int32),
                                              truncated=np.zeros((2, 1), np.uint8))), "shape_mismatch"),
+    "reward_errors_length": (encode(_group(reward_errors=[1, 0])), "shape_mismatch"),
+    "reward_errors_negative": (_header_edit(make_group(), _body(reward_errors=[-1, 0, 0, 0])), "bad_value"),
+    "reward_errors_float": (_header_edit(make_group(), _body(reward_errors=[0.5, 0, 0, 0])), "bad_field_type"),
+    "reward_errors_above_samples": (encode(_group(reward_errors=[3, 0, 2, 0])), "bad_value"),
+    "eval_reward_errors_above_samples": (encode(EvalResult(**{**SAMPLES[-1].__dict__, "reward_errors": [0, 3, 0, 0]})),
+                                         "bad_value"),
 }
+
+
+def test_messages_without_reward_errors_mean_none_failed():
+    """Senders from before reward_errors existed: absent counts decode as zeros."""
+    for msg in (make_group(), SAMPLES[-1]):
+        got = decode(_header_edit(msg, lambda h: h["body"].pop("reward_errors")), LIMITS)
+        assert got.reward_errors == [0, 0, 0, 0] and type(got.reward_errors) is list
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

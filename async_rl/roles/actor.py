@@ -28,6 +28,7 @@ from ..tracing import SpanRecorder, WaitSpan, now_us, spans_to_arrays
 from ..evaluation import score_prompts
 from ..prompting import stop_token_ids
 from ..tasks import PromptIndex
+from ..tasks.reward_guard import REASONS, RewardGuard
 from ..transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone,
                          SyncOrder, TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, encode, recv, send)
 from ..transport.security import secure_client
@@ -129,6 +130,7 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
         engine = make_engine(cfg.actors.engine, model_or_path=cfg.model.path, device=device, **stops)
         task = make_task_from_config(cfg)
+        reward = RewardGuard.for_task(task, cfg, logger=log)  # user code: failures are counted
         prompts = PromptIndex(task)
         sync_args = dict(bucket_mb=cfg.sync.bucket_mb, backend=sync_backend(device), timeout_s=cfg.sync.timeout_s)
         make_receiver = getattr(engine, "weight_receiver", None)  # engines whose weights live elsewhere (vLLM)
@@ -170,10 +172,11 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             elif isinstance(reply, EvalGrant):
                 with spans.span("eval", groups=len(reply.prompt_ids)):
                     push.send_multipart(evaluate_chunk(engine, prompt_format, task, prompts, cfg, reply, actor_id,
-                                                       generator), copy=False)
+                                                       generator, reward), copy=False)
             elif isinstance(reply, WorkGrant):
                 try:
-                    messages = rollout(engine, prompt_format, task, prompts, cfg, reply, actor_id, generator, spans)
+                    messages = rollout(engine, prompt_format, task, prompts, cfg, reply, actor_id, generator, spans,
+                                       reward)
                 except LeaveNow as leave:  # only from the in-flight hook, in the middle of generation
                     log.log(logging.INFO if leave.code == 0 else logging.ERROR, "actor %d leaving: %s", actor_id,
                             leave.why)
@@ -298,28 +301,34 @@ def _sync(hub: HubClient, receiver: WeightReceiver, engine, order: SyncOrder, st
 
 
 def evaluate_chunk(engine, prompt_format, task, prompts: PromptIndex, cfg: Config, grant: EvalGrant, actor_id: int,
-                   generator) -> list:
+                   generator, reward: RewardGuard | None = None) -> list:
     """Score one chunk of held-out prompts; the encoded EvalResult. In-flight weight
-    updates are off meanwhile: every score of a round comes from the version it names."""
+    updates are off meanwhile: every score of a round comes from the version it names.
+    `reward`: the actor's guard around task.reward (default: a new one from cfg.reward)."""
     e = cfg.eval
+    reward = reward if reward is not None else RewardGuard.for_task(task, cfg, logger=log)
+    reward.take_counts()  # only this chunk's failures go into its result
     hook, engine.step_hook = getattr(engine, "step_hook", None), None
     try:
         rewards, lengths, truncated = score_prompts(
             engine, prompt_format, task, [prompts[i] for i in grant.prompt_ids], samples=e.pass_k,
             max_new_tokens=e.max_new_tokens or cfg.actors.max_new_tokens, temperature=e.temperature,
-            generator=generator)
+            generator=generator, reward=reward)
     finally:
         engine.step_hook = hook
     return encode(EvalResult(actor_id=actor_id, round=grant.round, version=grant.version,
                              prompt_ids=list(grant.prompt_ids), rewards=rewards, response_lengths=lengths,
-                             truncated=truncated))
+                             truncated=truncated, reward_errors=reward.take_counts()))
 
 
 def rollout(engine, prompt_format, task, prompts: PromptIndex, cfg: Config, grant: WorkGrant, actor_id: int,
-            generator, spans: SpanRecorder | None = None) -> list:
+            generator, spans: SpanRecorder | None = None, reward: RewardGuard | None = None) -> list:
     """Generate, score and encode one ExperienceGroup per granted prompt; `spans` gets
-    the generate and score spans."""
+    the generate and score spans. `reward`: the actor's guard around task.reward
+    (default: a new one from cfg.reward); each group carries its own failure counts."""
     spans = spans if spans is not None else SpanRecorder(enabled=False)
+    reward = reward if reward is not None else RewardGuard.for_task(task, cfg, logger=log)
+    reward.take_counts()  # only this grant's failures go into its groups
     G = cfg.train.group_size
     granted = [prompts[i] for i in grant.prompt_ids]
     prompt_tokens = [prompt_format.encode(p) for p in granted]
@@ -328,17 +337,21 @@ def rollout(engine, prompt_format, task, prompts: PromptIndex, cfg: Config, gran
         completions = engine.generate(prompt_tokens, n=G, max_new_tokens=cfg.actors.max_new_tokens,
                                       temperature=cfg.actors.temperature, top_p=cfg.actors.top_p, generator=generator)
         greedy_rewards: list[float | None] = [None] * len(granted)
+        errors = [[0] * len(REASONS) for _ in granted]  # per group: its samples' and its baseline's failures
         if cfg.train.advantage == "remax":
             # ReMax's baseline: one greedy response per prompt from the same weights.
             greedy = engine.generate(prompt_tokens, n=1, max_new_tokens=cfg.actors.max_new_tokens, greedy=True)
-            greedy_rewards = [float(task.reward(p.text, prompt_format.response_text(g[0].tokens.tolist()), p.answer))
-                              for p, g in zip(granted, greedy)]
+            for k, (p, g) in enumerate(zip(granted, greedy)):
+                greedy_rewards[k] = reward(p.text, prompt_format.response_text(g[0].tokens.tolist()), p.answer)
+                errors[k] = reward.take_counts()
         span_args["tokens"] = sum(len(c.tokens) for samples in completions for c in samples)
     gen_seconds = (time.monotonic() - started) / max(1, len(granted))
     with spans.span("score", groups=len(completions)):
-        rewards_of = [np.array([float(task.reward(p.text, prompt_format.response_text(c.tokens.tolist()), p.answer))
-                                for c in samples], dtype=np.float32)
-                      for p, samples in zip(granted, completions)]
+        rewards_of = []
+        for k, (p, samples) in enumerate(zip(granted, completions)):
+            rewards_of.append(np.array([reward(p.text, prompt_format.response_text(c.tokens.tolist()), p.answer)
+                                        for c in samples], dtype=np.float32))
+            errors[k] = [a + b for a, b in zip(errors[k], reward.take_counts())]
     tokenizer = prompt_format.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     out = []
@@ -362,5 +375,5 @@ def rollout(engine, prompt_format, task, prompts: PromptIndex, cfg: Config, gran
             prompt_tokens=np.asarray(prompt_tokens[k], dtype=np.int32), response_tokens=tokens,
             response_lengths=lengths, logprobs=logprobs, token_versions=versions, rewards=rewards_of[k],
             truncated=np.array([not c.finished for c in samples], dtype=np.uint8),
-            gen_seconds=gen_seconds, greedy_reward=greedy_rewards[k])))
+            gen_seconds=gen_seconds, greedy_reward=greedy_rewards[k], reward_errors=errors[k])))
     return out

@@ -28,6 +28,7 @@ from ..config import Config, to_yaml
 from ..evaluation import EvalRounds, eval_prompt_ids
 from ..replay_buffer import ReplayBuffer
 from ..tasks.base import Task
+from ..tasks.reward_guard import REASONS
 from ..tracing import TraceWriter
 from ..transport import (EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder,
                          TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
@@ -78,6 +79,7 @@ class Coordinator:
         self.buffer: ReplayBuffer[ExperienceGroup] = ReplayBuffer(cfg.max_staleness, capacity)
         self.limits = WireLimits()
         self.rejects = RejectCounter()
+        self.reward_errors = dict.fromkeys(REASONS, 0)  # accepted groups' and eval results' failed reward calls
         self.version = 0  # learner version, set by the learner after each step
         self.actors: dict[int, ActorInfo] = {}
         self.granted: dict[int, Grant] = {}  # admission index -> who generates it
@@ -116,6 +118,15 @@ class Coordinator:
         group or evaluation result accepted: how long the actors have given nothing."""
         return time.monotonic() - max(since, self._last_result)
 
+    def reward_error_totals(self) -> dict[str, int]:
+        """Failed reward calls per reason, summed over accepted groups and eval results."""
+        with self._lock:
+            return dict(self.reward_errors)
+
+    def _count_reward_errors(self, counts: list[int]) -> None:
+        for reason, n in zip(REASONS, counts):
+            self.reward_errors[reason] += n
+
     def request_eval(self, version: int) -> None:
         with self._lock:
             self.evals.request(version)
@@ -134,12 +145,17 @@ class Coordinator:
             state = {"admitted": self.admission.admitted, "next_actor_id": self._next_actor_id,
                      "pending": sorted({*self.granted, *self.reissue}), "buffer_next": self.buffer.next_index,
                      "consumed": self.buffer.consumed, "dropped": self.buffer.dropped,
-                     "skipped": self.admission.skipped, "rejected": self.rejects.by_reason()}
+                     "skipped": self.admission.skipped, "rejected": self.rejects.by_reason(),
+                     "reward_errors": dict(self.reward_errors)}
             return state, self.buffer.contents()
 
     def restore(self, version: int, state: dict, groups: list[tuple[int, int, ExperienceGroup]]) -> None:
         """Load a snapshot; call before start(). Actor ids continue where they stopped,
-        so a new actor never replays an old one's sampling stream (seeded by its id)."""
+        so a new actor never replays an old one's sampling stream (seeded by its id).
+        Raises CheckpointError, changing nothing, unless every admitted slot is accounted for."""
+        from ..checkpoint_integrity import check_partition
+
+        check_partition(state, [index for index, _, _ in groups])
         self.version = version
         self.admission.admitted = state["admitted"]
         self.admission.skipped = list(state.get("skipped", []))
@@ -148,6 +164,9 @@ class Coordinator:
         self.buffer.restore(state["buffer_next"], groups, consumed=state["consumed"], dropped=state["dropped"],
                             skipped=[i for i in self.admission.skipped if i >= state["buffer_next"]])
         self.rejects.preload(state["rejected"])
+        for reason, n in state.get("reward_errors", {}).items():  # absent before reward errors were counted
+            if reason in self.reward_errors:
+                self.reward_errors[reason] += int(n)
 
     # -- the loop -----------------------------------------------------------------
     def _bind(self, ctx: zmq.Context, kind: int, port: int, curve) -> tuple[zmq.Socket, str]:
@@ -356,6 +375,7 @@ class Coordinator:
             reason = self.evals.on_result(msg)
             if reason is None:
                 self._last_result = time.monotonic()
+                self._count_reward_errors(msg.reward_errors)
             elif reason == "stale_eval":  # scored for a round that started over: not an invalid message
                 log.debug("actor %d: evaluation result of an earlier round ignored", msg.actor_id)
             elif reason is not None:
@@ -379,7 +399,9 @@ class Coordinator:
             return
         stored = self.buffer.put(msg.group, msg.version, msg)
         self._last_result = time.monotonic()
-        if not stored:
+        if stored:  # a refused group is generated (and scored) again: counted then
+            self._count_reward_errors(msg.reward_errors)
+        else:
             # Only a full buffer refuses a granted slot (admission keeps it below its
             # capacity): generate the slot again later rather than lose it.
             self.rejects.reject("buffer_refused")

@@ -34,8 +34,9 @@ from ..checkpoint import BUFFER_FILE, load_checkpoint, read_groups, save_checkpo
 from ..config import Config, load_config, to_yaml
 from ..health import RunHealth
 from ..prompting import prompt_limit
-from ..runtime import (EXIT_NONFINITE, make_prompt_format, make_task_from_config, peak_rss_mb, quiet_libraries,
-                       resolve_device, sync_backend, write_status)
+from ..runtime import (EXIT_NONFINITE, EXIT_REWARD_ERRORS, make_prompt_format, make_task_from_config, peak_rss_mb,
+                       quiet_libraries, resolve_device, sync_backend, write_status)
+from ..tasks.reward_guard import describe, step_errors
 from ..metrics import MetricsLogger, batch_histograms, generations_table, version_mix
 from ..tracing import SpanRecorder, TraceWriter
 from ..models.sharding import build_models, full_parameters
@@ -164,11 +165,13 @@ class Learner:
         lengths = np.concatenate([g.response_lengths for g in taken.groups])
         truncated = np.concatenate([g.truncated for g in taken.groups])
         gen_seconds = sum(g.gen_seconds for g in taken.groups)
+        reward_errors, reward_error_frac = step_errors(taken.groups)
         self.health.check(batch.rewards.numpy(), lengths, truncated, cfg.train.group_size)
         info = {"waited": waited, "staleness/mean": sum(staleness) / len(staleness),
                 "staleness/max": max(staleness), "train/reward_mean": float(batch.rewards.mean()),
                 "train/response_len_mean": float(lengths.mean()), "train/response_len_max": float(lengths.max()),
                 "train/truncated_frac": float(truncated.mean()),
+                "reward/error_frac": reward_error_frac, "reward_errors": reward_errors,
                 "gen_tokens": float(lengths.sum()), "samples": float(batch.tokens.shape[0]),
                 # What a capacity model needs: the actors' generation time per group, and
                 # their speed while generating.
@@ -251,7 +254,7 @@ class Learner:
         self._request_eval()
         last_end = time.monotonic()
         skipped_streak = 0
-        stop_reason = None
+        stop_reason, exit_code = None, 0
         while self.version < cfg.train.max_steps:
             local, info = self._next_batch()
             if local is None:
@@ -266,9 +269,11 @@ class Learner:
                             self.version + 1, stats["learner/skipped_steps"], skipped_streak)
             stats["learner/skipped_steps"] = self.skipped_total
             stats["learner/lr"] = self.scheduler.get_last_lr()[0]
-            rss = torch.tensor([peak_rss_mb()], dtype=torch.float64, device=self.device)
-            dist.all_reduce(rss, op=dist.ReduceOp.MAX)
-            stats["memory/learner_peak_rss_gb"] = float(rss) / 1024
+            # Only rank 0 sees the step's reward failures: its verdict rides on this all-reduce.
+            bad_rewards = self.rank == 0 and info["reward/error_frac"] > cfg.reward.max_error_frac
+            shared = torch.tensor([peak_rss_mb(), float(bad_rewards)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+            stats["memory/learner_peak_rss_gb"] = float(shared[0]) / 1024
             self.scheduler.step()
             self.version += 1
             if self.rank == 0:
@@ -281,6 +286,7 @@ class Learner:
                 interval, last_end = max(now - last_end, 1e-9), now
                 self.samples_total += int(info["samples"])
                 c = self.coordinator
+                reward_totals = c.reward_error_totals()
                 self.metrics.log({
                     "step": self.version, "version": self.version, "train/reward_mean": info["train/reward_mean"],
                     "train/response_len_mean": info["train/response_len_mean"],
@@ -296,6 +302,8 @@ class Learner:
                     "wire/rejected": c.rejects.total, "actors/live": c.live_actors,
                     "data/prompts_admitted": c.admission.admitted, "data/prompts_consumed": c.buffer.consumed,
                     "data/prompts_skipped": len(c.admission.skipped), "memory/actor_peak_rss_gb": c.actor_peak_rss_mb / 1024,
+                    "reward/error_frac": info["reward/error_frac"], "reward/errors": sum(reward_totals.values()),
+                    **{f"reward/errors_{reason}": n for reason, n in reward_totals.items()},
                 }, texts=info.get("texts"), histograms={
                     # Importance weights of rank 0's tokens only (whole groups, 1/learner.ranks
                     # of the batch): a fair sample of the batch, without a collective.
@@ -310,6 +318,17 @@ class Learner:
                 stop_reason = (f"stopped: {skipped_streak} consecutive steps with a non-finite loss or gradient "
                                f"(train.max_skipped_steps={cfg.train.max_skipped_steps}); the last checkpoint "
                                f"holds the weights of the last finite step")
+                exit_code = EXIT_NONFINITE
+                break
+            if shared[1] > 0:
+                if self.rank == 0:
+                    stop_reason = (f"stopped: {info['reward/error_frac']:.0%} of step {self.version}'s samples were "
+                                   f"scored reward.fallback ({describe(info['reward_errors'])}), over "
+                                   f"reward.max_error_frac={cfg.reward.max_error_frac:g}: fix task.reward (the actor "
+                                   f"log has its first failure of each kind)")
+                    log.error("%s; checkpoint at %s", stop_reason, self.run_dir / "checkpoints" /
+                              f"step_{self.version:06d}")
+                exit_code = EXIT_REWARD_ERRORS
                 break
             if cfg.eval.every and self.version % cfg.eval.every == 0 and self.version < cfg.train.max_steps:
                 self._request_eval()
@@ -321,7 +340,7 @@ class Learner:
         if self.rank == 0:
             # torchrun turns a worker's nonzero exit into its own error report, so the
             # outcome travels to the launcher in a file and every rank exits 0.
-            write_status(self.run_dir, EXIT_NONFINITE if stop_reason else 0, stop_reason or "finished")
+            write_status(self.run_dir, exit_code, stop_reason or "finished")
         return 0
 
     def _checkpoint(self) -> None:

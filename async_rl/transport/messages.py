@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import numpy as np
 
+from ..tasks.reward_guard import REASONS, zero_counts
 from ..tracing import ACTOR_SPANS, MAX_TRACE_US, SPAN_ARG_KEYS
 
 if TYPE_CHECKING:  # wire imports this module; avoid the cycle at run time
@@ -27,9 +28,11 @@ def array(dtype: str, ndim: int) -> Any:
     return field(metadata={"dtype": dtype, "ndim": ndim})
 
 
-def bounded(*, lo: float | None = None, hi: float | None = None, default: Any = MISSING) -> Any:
-    """Inclusive bounds on a numeric field, checked on decode; optionally a default."""
-    return field(default=default, metadata={"min": lo, "max": hi})
+def bounded(*, lo: float | None = None, hi: float | None = None, default: Any = MISSING,
+            default_factory: Any = MISSING) -> Any:
+    """Inclusive bounds on a numeric field, checked on decode; optionally a default
+    (a `default_factory` for a list, which a decoded message holds as a list too)."""
+    return field(default=default, default_factory=default_factory, metadata={"min": lo, "max": hi})
 
 
 class Message:
@@ -170,6 +173,8 @@ class ExperienceGroup(Message):
     truncated: np.ndarray = array("uint8", 1)  # [G] 1 = cut at the length limit (no stop token)
     gen_seconds: float = bounded(lo=0.0)
     greedy_reward: Optional[float] = None  # ReMax baseline, when computed
+    # Samples (and the greedy baseline) scored reward.fallback, per reward_guard.REASONS.
+    reward_errors: list[int] = bounded(lo=0, default_factory=zero_counts)
 
     def check(self, limits: "WireLimits") -> str | None:
         g, t = self.response_tokens.shape
@@ -185,6 +190,10 @@ class ExperienceGroup(Message):
             return "too_large"
         lengths = self.response_lengths
         if g == 0 or (lengths < 0).any() or (lengths > t).any():
+            return "bad_value"
+        if len(self.reward_errors) != len(REASONS):
+            return "shape_mismatch"
+        if sum(self.reward_errors) > g + (self.greedy_reward is not None):
             return "bad_value"
         if (self.prompt_tokens < 0).any() or (self.response_tokens < 0).any() or (self.truncated > 1).any():
             return "bad_value"
@@ -215,12 +224,17 @@ class EvalResult(Message):
     rewards: np.ndarray = array("float32", 2)  # [n, k]
     response_lengths: np.ndarray = array("int32", 2)  # [n, k]
     truncated: np.ndarray = array("uint8", 2)  # [n, k]
+    reward_errors: list[int] = bounded(lo=0, default_factory=zero_counts)  # as ExperienceGroup's
 
     def check(self, limits: "WireLimits") -> str | None:
         shape = (len(self.prompt_ids), self.rewards.shape[1])
         if self.response_lengths.shape != shape or self.truncated.shape != shape:
             return "shape_mismatch"
+        if len(self.reward_errors) != len(REASONS):
+            return "shape_mismatch"
         if (self.response_lengths < 0).any() or (self.truncated > 1).any():
+            return "bad_value"
+        if sum(self.reward_errors) > self.rewards.size:
             return "bad_value"
         return None
 
