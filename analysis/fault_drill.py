@@ -1,6 +1,6 @@
 """Fault drill: the fault-tolerance acceptance checks, run on the real CPU demo.
 
-    python analysis/fault_drill.py [--scenarios hostile kill-actor kill-job] [--out runs/fault-drill]
+    python analysis/fault_drill.py [--scenarios hostile kill-actor stall-actor kill-job] [--out runs/fault-drill]
                                    [--model PATH] [--target 0.9] [--set key=value ...]
 
 hostile     While the demo trains, thousands of malformed messages (random bytes and
@@ -8,10 +8,15 @@ hostile     While the demo trains, thousands of malformed messages (random bytes
             the hub and experience sockets. Passes if the run ends with status 0 and
             eval accuracy >= target, and wire/rejected counts every message.
 kill-actor  actors.count=2; once training runs, one actor is SIGKILLed. Passes if
+            the hub drops it at once (its connection closed), the longest pause
+            between two learner steps after the kill is <= --max-pause (3 s),
             actors/live drops to 1 while steps go on, a new actor started with only
             `async-rl actor --hub ADDR` joins (actors/live back to 2) and completes a
             weight sync, and the run ends with status 0, accuracy >= target and every
             sample's staleness <= max_staleness.
+stall-actor The only actor is stopped (SIGSTOP) until the hub removes it (heartbeat
+            timeout 3 s), then continued: it registers again and the run finishes
+            with status 0, accuracy >= target and every admitted prompt consumed once.
 kill-job    Every process of the run is SIGKILLed at once mid-run (a machine failure),
             then `async-rl train ... --resume RUN` continues. Passes if it resumed from
             its latest complete checkpoint (losing at most checkpoint.every steps), every
@@ -215,7 +220,8 @@ def drill_hostile(args) -> dict:
 
 # -- kill-actor ------------------------------------------------------------------------
 def drill_kill_actor(args) -> dict:
-    proc, run = start_run(args, "kill-actor", "actors.count=2", "actors.heartbeat_timeout_s=5")
+    # No restarts by the launcher: the drill itself brings the replacement, by hand.
+    proc, run = start_run(args, "kill-actor", "actors.count=2", "actors.max_restarts=0")
     newcomer = None
     try:
         wait_for("two actors and training", lambda: last_step(run) >= args.kill_at
@@ -235,6 +241,8 @@ def drill_kill_actor(args) -> dict:
         sync_s = join_s + wait_for("the new actor's first weight sync", lambda: " synced to version " in
                                    (args.out / "kill-actor-newcomer.log").read_text(), proc, args.timeout)
         degraded = [s["step"] for s in read_lines(run)[0] if s["actors/live"] == 1]
+        times = [s["time"] for s in read_lines(run)[0] if s["step"] >= killed_at]
+        pause_s = max((b - a for a, b in zip(times, times[1:])), default=float("inf"))
         wait_for("a step with actors/live == 2 after the join", lambda: any(
             s["actors/live"] == 2 and s["step"] > max(degraded, default=0) for s in read_lines(run)[0]),
                  proc, args.timeout)
@@ -247,13 +255,42 @@ def drill_kill_actor(args) -> dict:
     log = (args.out / "kill-actor-newcomer.log").read_text()
     steps, _ = read_lines(run)
     result = {"scenario": "kill-actor", "killed_at_step": killed_at, "detected_after_s": round(detect_s, 1),
+              "longest_pause_s": round(pause_s, 2),
               "rejoined_after_s": round(join_s, 1), "newcomer_synced_after_s": round(sync_s, 1),
               "steps_with_one_actor": len(degraded),
               "newcomer_synced": " synced to version " in log, "newcomer_exit_code": newcomer_code,
               "live_at_end": steps[-1]["actors/live"],
               **outcome(run, code, args.target, config_value(run, "max_staleness"))}
     result["passed"] = (result.pop("ok") and result["steps_with_one_actor"] > 0 and result["newcomer_synced"]
-                        and newcomer_code == 0)
+                        and newcomer_code == 0 and pause_s <= args.max_pause)
+    return result
+
+
+# -- stall-actor ------------------------------------------------------------------------
+def drill_stall_actor(args) -> dict:
+    """The only actor is stopped (SIGSTOP) past its heartbeat timeout, then continued."""
+    timeout = 3
+    proc, run = start_run(args, "stall-actor", "actors.count=1", f"actors.heartbeat_timeout_s={timeout}")
+    try:
+        wait_for("training", lambda: last_step(run) >= args.kill_at and endpoints(run)["actors"], proc, args.timeout)
+        actor = endpoints(run)["actors"][0]
+        stopped_at = last_step(run)
+        os.kill(actor["pid"], signal.SIGSTOP)
+        wait_for("the hub to remove the stopped actor", lambda: not endpoints(run)["actors"], proc, args.timeout)
+        time.sleep(1.0)
+        os.kill(actor["pid"], signal.SIGCONT)
+        back_s = wait_for("training to go on", lambda: last_step(run) > stopped_at + 2, proc, args.timeout)
+        code = finish(proc, args.timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    steps, _ = read_lines(run)
+    result = {"scenario": "stall-actor", "stopped_at_step": stopped_at, "back_after_sigcont_s": round(back_s, 1),
+              "registered_again": "registered again" in (run / "logs" / "actor-0.log").read_text(),
+              "prompts_consumed": steps[-1]["data/prompts_consumed"] if steps else 0,
+              **outcome(run, code, args.target, config_value(run, "max_staleness"))}
+    result["passed"] = result.pop("ok") and result["registered_again"] and \
+        result["prompts_consumed"] == len(steps) * config_value(run, "train.batch_groups")
     return result
 
 
@@ -292,7 +329,8 @@ def drill_kill_job(args) -> dict:
     return result
 
 
-DRILLS = {"hostile": drill_hostile, "kill-actor": drill_kill_actor, "kill-job": drill_kill_job}
+DRILLS = {"hostile": drill_hostile, "kill-actor": drill_kill_actor, "stall-actor": drill_stall_actor,
+          "kill-job": drill_kill_job}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.9, help="eval accuracy every run must reach")
     parser.add_argument("--messages", type=int, default=3000, help="hostile messages to send")
     parser.add_argument("--kill-at", type=int, default=100, help="learner step after which to kill")
+    parser.add_argument("--max-pause", type=float, default=3.0,
+                        help="kill-actor: the longest learner pause (s) between two steps after the kill")
     parser.add_argument("--checkpoint-every", type=int, default=25, help="checkpoint.every of the kill-job run")
     parser.add_argument("--timeout", type=float, default=900, help="seconds any one wait may take")
     parser.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run")

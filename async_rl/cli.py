@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p_actor.add_argument("--hub", required=True, help="the hub address, tcp://HOST:PORT (endpoints.json: hub)")
     p_actor.add_argument("--name", default=None, help="a name for logs and endpoints.json")
     p_actor.add_argument("--keys", default=None, help="CURVE key directory (`async-rl keys`), when the hub requires it")
+    p_actor.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
+                         help="keep trying a hub that does not answer for S seconds, then exit 2 (default 60)")
     p_keys = sub.add_parser("keys", help="make CURVE key pairs for security.curve=true")
     p_keys.add_argument("dir", help="directory to write server.key*, client.key* and authorized/ into")
     sub.add_parser("config-doc", help="print the config reference as a markdown table")
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         from .roles.actor import run_actor
         from .runtime import exit_now
 
-        exit_now(run_actor(args.hub, args.name, args.keys))  # the actor held gloo groups: see exit_now
+        exit_now(run_actor(args.hub, args.name, args.keys, args.connect_timeout))  # the actor held gloo groups: see exit_now
     try:
         cfg = load_config(args.config, args.overrides)
         from .launcher import prepare, train
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             import contextlib
 
             with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the paths
-                run_dir, checkpoint = prepare(cfg, args.resume)
+                run_dir, checkpoint, _lock = prepare(cfg, args.resume)  # the learner's rank 0 takes it next
             print(run_dir, *([checkpoint] if checkpoint else []), sep="\n")
             return 0
 

@@ -1,9 +1,16 @@
 """`async-rl train`: one machine, one process per role.
 
-Spawns the learner world with torchrun, waits for the coordinator to publish its
-endpoints, then spawns the actors pointing at the hub. Ctrl-C (or SIGTERM) is
-forwarded to every child, which get a grace period before SIGKILL, so no process is
-left behind.
+Takes the run directory's lock (run_lock.py), spawns the learner world with torchrun,
+waits for the coordinator to publish its endpoints, then spawns the actors pointing at
+the hub, and restarts an actor that dies (at most actors.max_restarts times). Ctrl-C,
+SIGTERM and SIGHUP stop the run the same way: the learner ranks finish their step and
+write a checkpoint and final/, the actors are told goodbye, and whatever does not leave
+within a grace period is killed. Every child dies with the launcher (a parent-death
+signal), so a launcher killed outright leaves nothing running behind it.
+
+Exit status: the learner's (0, or runtime.EXIT_* for a run it stopped), 128 + the
+signal's number when interrupted (130 SIGINT, 143 SIGTERM, 129 SIGHUP), 2 for a config
+error, 1 when the learner failed.
 """
 from __future__ import annotations
 
@@ -19,7 +26,8 @@ from pathlib import Path
 
 from .checkpoint import latest_intact_checkpoint
 from .config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
-from .runtime import make_prompt_format, make_task_from_config, read_status
+from .run_lock import RunLock
+from .runtime import child_of, make_prompt_format, make_task_from_config, read_status
 
 log = logging.getLogger("async_rl.launch")
 GRACE_S = 30.0
@@ -124,11 +132,18 @@ def check_task(cfg: Config) -> None:
                                   f"a reward must be a finite number")
 
 
-def prepare(cfg: Config, resume: str | None = None) -> tuple[Path, Path | None]:
+def prepare(cfg: Config, resume: str | None = None) -> tuple[Path, Path | None, RunLock]:
     """What every launch does before starting the learner world (`async-rl train`, and
-    `async-rl prepare` for launch/learner.sh): (run directory, checkpoint to resume or None)."""
-    checkpoint = find_resume_checkpoint(cfg, resume) if resume else None
-    return prepare_run_dir(cfg, resuming=checkpoint is not None), checkpoint
+    `async-rl prepare` for launch/learner.sh): (run directory, checkpoint to resume or
+    None, the run directory's lock, held). The lock comes first: nothing is written to
+    (or set aside in) a directory another run is using."""
+    lock = RunLock(Path(resume) if resume else resolve_run_dir(cfg)).acquire()
+    try:
+        checkpoint = find_resume_checkpoint(cfg, resume) if resume else None
+        return prepare_run_dir(cfg, resuming=checkpoint is not None), checkpoint, lock
+    except BaseException:
+        lock.release()
+        raise
 
 
 def _wait_for_hub(run_dir: Path, learner: subprocess.Popen, timeout_s: float) -> str:
@@ -170,45 +185,87 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
             pass
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _say(text: str) -> None:
+    """One line on the console; a closed terminal (SIGHUP) must not stop the shutdown."""
+    try:
+        print(f"async-rl: {text}", file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+def _learner_workers(torchrun: subprocess.Popen) -> list[int]:
+    from .runtime import process_tree
+
+    return process_tree(torchrun.pid)[1:]
+
+
+def _spawn_actor(cfg: Config, hub: str, i: int, logs: Path) -> subprocess.Popen:
+    out = open(logs / f"actor-{i}.log", "ab")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "async_rl.cli", "actor", "--hub", hub, "--name", f"actor-{i}",
+             "--connect-timeout", str(cfg.actors.connect_timeout_s),
+             *(["--keys", cfg.security.keys_dir] if cfg.security.curve else [])],
+            env=_child_env(cfg.actors.threads), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=child_of(os.getpid()))
+    finally:
+        out.close()
+
+
 def train(cfg: Config, resume: str | None = None) -> int:
-    """`resume`: a run directory to continue from its latest complete checkpoint."""
-    run_dir, checkpoint = prepare(cfg, resume)
-    print(f"async-rl: run directory {run_dir}" + (f", resuming from {checkpoint.name}" if checkpoint else ""),
-          file=sys.stderr)
+    """`resume`: a run directory to continue from its latest intact checkpoint."""
+    run_dir, checkpoint, lock = prepare(cfg, resume)
+    _say(f"run directory {run_dir}" + (f", resuming from {checkpoint.name}" if checkpoint else ""))
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
     learner_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={cfg.learner.ranks}", "-m", "async_rl.roles.learner",
                    str(run_dir / "config.yaml"), *(["--resume", str(checkpoint)] if checkpoint else [])]
-    learner = subprocess.Popen(learner_cmd, env=_child_env(cfg.learner.threads), start_new_session=True)
+    # torchrun holds the lock too (an inherited descriptor): it is released only once
+    # neither is alive. Its ranks take no lock of their own (ASYNC_RL_RUN_LOCKED).
+    learner = subprocess.Popen(learner_cmd, env=dict(_child_env(cfg.learner.threads), ASYNC_RL_RUN_LOCKED="1"),
+                               start_new_session=True, pass_fds=(lock.fd,), preexec_fn=child_of(os.getpid()))
     actors: list[subprocess.Popen] = []
-    interrupted = False
+    restarts = 0
+    stop_signal = 0
 
     def on_signal(signum, _frame):
-        nonlocal interrupted
-        interrupted = True
+        nonlocal stop_signal
+        stop_signal = stop_signal or signum
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     try:
         # Loading a large model comes before the hub: give start-up at least HUB_START_S.
         hub = _wait_for_hub(run_dir, learner, timeout_s=max(cfg.learner.timeout_s, HUB_START_S))
-        for i in range(cfg.actors.count):
-            out = open(logs / f"actor-{i}.log", "ab")
-            actors.append(subprocess.Popen(
-                [sys.executable, "-m", "async_rl.cli", "actor", "--hub", hub, "--name", f"actor-{i}",
-                 *(["--keys", cfg.security.keys_dir] if cfg.security.curve else [])],
-                env=_child_env(cfg.actors.threads), stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-        while learner.poll() is None and not interrupted:
+        actors = [_spawn_actor(cfg, hub, i, logs) for i in range(cfg.actors.count)]
+        while learner.poll() is None and not stop_signal:
             time.sleep(0.2)
-        if interrupted:
-            # The learner finishes its step, writes a checkpoint and final/, and its hub
+            for i, actor in enumerate(actors):
+                # Exit 0 is an actor the hub said goodbye to; anything else died.
+                if actor.poll() not in (None, 0) and learner.poll() is None and not stop_signal:
+                    if restarts >= cfg.actors.max_restarts:
+                        continue
+                    restarts += 1
+                    _say(f"actor-{i} exited with status {actor.returncode}; restarting it ({restarts} of "
+                         f"actors.max_restarts={cfg.actors.max_restarts}; its log: {logs / f'actor-{i}.log'})")
+                    actors[i] = _spawn_actor(cfg, hub, i, logs)
+        if stop_signal:
+            # The ranks finish their step, write a checkpoint and final/, and the hub
             # tells the actors goodbye; they are only killed if they do not leave.
-            print("async-rl: stopping (interrupted): saving a checkpoint", file=sys.stderr)
-            _stop([learner], signal.SIGTERM)
+            # torchrun itself is left alone: its ranks exiting 0 end it without a report.
+            _say(f"stopping ({signal.Signals(stop_signal).name}): saving a checkpoint")
+            for pid in _learner_workers(learner):
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
         _wait_all([learner], GRACE_S)
         _wait_all(actors, 10.0)
     except RuntimeError as err:
-        print(f"async-rl: {err}", file=sys.stderr)
+        _say(str(err))
     finally:
         _stop([learner, *actors], signal.SIGTERM)
         _wait_all([learner, *actors], 5.0)
@@ -216,18 +273,24 @@ def train(cfg: Config, resume: str | None = None) -> int:
         _wait_all([learner, *actors], 5.0)
         for s, handler in old.items():
             signal.signal(s, handler)
+        lock.release()
     print_summary(run_dir)
-    if interrupted:
-        return 130
     status = read_status(run_dir)
+    if stop_signal:
+        return 128 + stop_signal
     if learner.returncode == 0 and status and status["exit_code"]:
-        print(f"async-rl: {status['reason']}", file=sys.stderr)
+        _say(status["reason"])
         return int(status["exit_code"])
-    return learner.returncode if learner.returncode is not None else 1
+    if learner.returncode != 0:
+        reason = status["reason"] if status and status["exit_code"] else f"exit status {learner.returncode}"
+        _say(f"the learner failed ({reason}); continue from the last checkpoint with: "
+             f"async-rl train {run_dir / 'config.yaml'} --resume {run_dir}")
+        return 1
+    return 0
 
 
 def print_summary(run_dir: Path) -> None:
     from .run_summary import summary_lines
 
     for line in summary_lines(run_dir):
-        print(line, file=sys.stderr)
+        _say(line.removeprefix("async-rl: "))

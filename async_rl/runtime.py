@@ -80,8 +80,10 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+EXIT_CONFIG = 2  # a config error found only once running (e.g. every prompt over the limit)
 EXIT_NONFINITE = 3  # `async-rl train` status after repeated non-finite steps
 EXIT_REWARD_ERRORS = 4  # ... after a step with too many samples scored reward.fallback
+EXIT_STALLED = 5  # no experience for learner.timeout_s (every actor gone)
 STATUS_FILE = "status.json"
 
 
@@ -113,3 +115,27 @@ def process_tree(pid: int) -> list[int]:
         tree.append(todo.pop(0))
         todo.extend(children.get(tree[-1], []))
     return tree
+
+
+def die_with_parent(sig: int = 9) -> None:
+    """Ask the kernel to send `sig` (default SIGKILL) to this process when its parent
+    dies (Linux prctl PR_SET_PDEATHSIG; a no-op elsewhere). Safe in a Popen preexec_fn:
+    the setting survives exec. A parent already gone before the call is caught by
+    comparing with the parent pid the caller expects."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    libc.prctl(1, sig, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+
+
+def child_of(parent_pid: int):
+    """A Popen preexec_fn: the child dies with `parent_pid` (SIGKILL: nothing of a run
+    may go on unsupervised), and exits at once if that parent is already gone."""
+    def setup() -> None:
+        die_with_parent()
+        if os.getppid() != parent_pid:
+            os._exit(1)
+    return setup

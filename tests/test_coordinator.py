@@ -1,5 +1,7 @@
 """The coordinator over real ZeroMQ sockets, driven by a hand-written actor."""
 import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -94,11 +96,64 @@ def test_inconsistent_and_malformed_messages_are_counted_not_fatal(hub):
     assert wait_for(lambda: coord.rejects.total == 6)
     reasons = coord.rejects.by_reason()
     assert reasons["not_granted"] == 2 and reasons["bad_version"] == 1
-    # Unknown actors are told to register.
-    assert isinstance(ask(sock, WorkRequest(actor_id=99, version=0, max_groups=1)), Goodbye)
+    # Unknown actors are told to register (again).
+    unknown = ask(sock, WorkRequest(actor_id=99, version=0, max_groups=1))
+    assert isinstance(unknown, Goodbye) and unknown.rejoin
+    # The refused group of a live actor's grant is generated again, not left as a hole.
+    assert list(coord.reissue) == [0]
+    assert ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=1)).groups == [0]
     # Still serving: the real group is accepted.
     push.send_multipart(encode(group_msg(welcome.actor_id, 0, task.train_prompt(0).id)))
     assert wait_for(lambda: len(coord.buffer) == 1)
+
+
+def test_a_group_rejected_by_the_wire_layer_is_reissued(hub):
+    coord, ctx, task = hub
+    sock = dealer(ctx, coord.hub_addr)
+    welcome = ask(sock, Hello(actor_name="t", pid=1, host="h"))
+    assert ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=2)).groups == [0, 1]
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(coord.experience_addr)
+    push.send_multipart(encode(group_msg(welcome.actor_id, 1, task.train_prompt(1).id, logprob=float("nan"))))
+    push.send_multipart(encode(group_msg(welcome.actor_id + 5, 0, task.train_prompt(0).id, logprob=float("nan"))))
+    assert wait_for(lambda: coord.rejects.by_reason().get("non_finite") == 2)
+    # Only the claim of the actor holding the grant hands it back.
+    assert list(coord.reissue) == [1] and set(coord.granted) == {0}
+
+
+def test_a_killed_actor_is_removed_when_its_connection_closes(hub):
+    coord, ctx, _ = hub
+    script = ("import sys, time, zmq\n"
+              "from async_rl.transport import Hello, WorkRequest, RejectCounter, WireLimits, recv, send\n"
+              "s = zmq.Context().socket(zmq.DEALER); s.connect(sys.argv[1])\n"
+              "send(s, Hello(actor_name='k', pid=1, host='h')); _, w = recv(s, WireLimits(), RejectCounter(), routed=False)\n"
+              "send(s, WorkRequest(actor_id=w.actor_id, version=0, max_groups=2)); recv(s, WireLimits(), RejectCounter(), routed=False)\n"
+              "print('granted', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, coord.hub_addr], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "granted"
+        assert coord.live_actors == 1
+        proc.kill()  # SIGKILL: no goodbye; the heartbeat timeout is 30 s here
+        killed = time.monotonic()
+        assert wait_for(lambda: coord.live_actors == 0, timeout=5.0)
+        assert time.monotonic() - killed < 2.0 and sorted(coord.reissue) == [0, 1]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_actor_removed_while_stalled_registers_again(hub):
+    coord, ctx, _ = hub
+    coord.cfg.actors.heartbeat_timeout_s = 0.3
+    a = dealer(ctx, coord.hub_addr)
+    first = ask(a, Hello(actor_name="a", pid=1, host="h"))
+    assert wait_for(lambda: coord.live_actors == 0)  # silent: removed
+    coord.cfg.actors.heartbeat_timeout_s = 30.0  # now it is back
+    reply = ask(a, WorkRequest(actor_id=first.actor_id, version=0, max_groups=1))
+    assert isinstance(reply, Goodbye) and reply.rejoin
+    again = ask(a, Hello(actor_name="a", pid=1, host="h"))  # what the actor does on rejoin
+    assert isinstance(again, Welcome) and again.actor_id != first.actor_id and coord.live_actors == 1
 
 
 def test_requests_for_an_actor_from_another_socket_are_refused(hub):

@@ -30,3 +30,8 @@ def test_drill_kill_job_scenario_passes(tmp_path, demo_model):
     job = run_drill(tmp_path, demo_model, "kill-job", "--kill-at", "5", "--checkpoint-every", "3")
     assert job["passed"] and 3 <= job["resumed_from_step"] and job["steps_lost"] <= 3
     assert job["killed_processes"] >= 4 and job["each_step_once"] and job["prompts_consumed"] == 30 * 8
+
+
+def test_drill_stall_actor_scenario_passes(tmp_path, demo_model):
+    stall = run_drill(tmp_path, demo_model, "stall-actor", "--kill-at", "3")
+    assert stall["passed"] and stall["registered_again"] and stall["exit_code"] == 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -29,44 +30,15 @@ from ..evaluation import score_prompts
 from ..prompting import stop_token_ids
 from ..tasks import PromptIndex
 from ..tasks.reward_guard import REASONS, RewardGuard
-from ..transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone,
-                         SyncOrder, TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, encode, recv, send)
+from ..transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, SyncDone,
+                         SyncOrder, TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, encode, send)
 from ..transport.security import secure_client
+from .hub_client import ConnectError, HubClient, register
 from ..weight_sync import SyncAbandoned, WeightReceiver, describe
 from ..runtime import (make_prompt_format, make_task_from_config, peak_rss_mb, quiet_libraries, resolve_device,
                        sync_backend)
 
 log = logging.getLogger("async_rl.actor")
-
-
-class HubClient:
-    """One DEALER socket to the hub with timeouts on every operation."""
-
-    def __init__(self, ctx: zmq.Context, hub_addr: str, timeout_s: float, keys_dir: str | None = None):
-        self.sock = ctx.socket(zmq.DEALER)
-        # A fixed, unguessable routing id: the hub accepts requests only from the socket
-        # that registered, and an id of our own survives reconnects.
-        self.sock.setsockopt(zmq.ROUTING_ID, os.urandom(16).hex().encode())  # ids starting with 0 are reserved
-        if keys_dir:
-            secure_client(self.sock, keys_dir)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-        self.sock.connect(hub_addr)
-        self.limits, self.rejects = WireLimits(), RejectCounter()
-
-    def request(self, msg):
-        send(self.sock, msg)
-        return self.receive()
-
-    def receive(self):
-        while True:
-            try:
-                _, reply = recv(self.sock, self.limits, self.rejects, routed=False)
-            except zmq.Again:
-                raise TimeoutError("the hub did not answer in time") from None
-            if reply is not None:
-                return reply
 
 
 def _ship_spans(sock: zmq.Socket, actor_id: int, spans: SpanRecorder, *, flags: int = 0) -> None:
@@ -95,18 +67,21 @@ def _heartbeat_loop(ctx: zmq.Context, hub_addr: str, keys_dir: str | None, state
                 continue  # the hub is busy; the main loop notices a dead hub through its own timeouts
             _ship_spans(client.sock, state["actor_id"], spans)
     finally:
-        client.sock.close(0)
+        client.close()
 
 
-def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = None) -> int:
-    """`keys_dir`: the directory of `async-rl keys`, when the hub requires CURVE."""
+def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = None,
+              connect_timeout_s: float = 60.0) -> int:
+    """`keys_dir`: the directory of `async-rl keys`, when the hub requires CURVE.
+    `connect_timeout_s`: how long to keep trying a hub that does not answer."""
     ctx = zmq.Context()
     name = name or f"actor-{socket.gethostname()}-{os.getpid()}"
-    hub = HubClient(ctx, hub_addr, timeout_s=60.0, keys_dir=keys_dir)
-    welcome = hub.request(Hello(actor_name=name, pid=os.getpid(), host=socket.gethostname()))
-    if not isinstance(welcome, Welcome):
-        log.error("hub refused registration: %s", welcome)
-        return 1
+    try:
+        hub, welcome = register(ctx, hub_addr, name, keys_dir, connect_timeout_s)
+    except ConnectError as err:
+        print(f"async-rl: actor {name}: {err}", file=sys.stderr, flush=True)
+        ctx.destroy(linger=0)
+        return 2
     cfg: Config = from_yaml(welcome.config_yaml)
     actor_id = welcome.actor_id
     state = {"actor_id": actor_id, "version": 0, "generated": 0, "epoch": -1}
@@ -163,6 +138,9 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
                 time.sleep(reply.seconds)
                 continue
             waiting.done()
+            if isinstance(reply, Goodbye) and reply.rejoin:
+                actor_id = _register_again(hub, name, state)
+                continue
             if isinstance(reply, Goodbye):
                 log.info("actor %d leaving: %s", actor_id, reply.reason)
                 return 0
@@ -178,6 +156,9 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
                     messages = rollout(engine, prompt_format, task, prompts, cfg, reply, actor_id, generator, spans,
                                        reward)
                 except LeaveNow as leave:  # only from the in-flight hook, in the middle of generation
+                    if leave.rejoin:  # the grant was re-issued when the hub removed us: drop the batch
+                        actor_id = _register_again(hub, name, state)
+                        continue
                     log.log(logging.INFO if leave.code == 0 else logging.ERROR, "actor %d leaving: %s", actor_id,
                             leave.why)
                     return leave.code
@@ -198,8 +179,21 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             pass
         if push is not None:
             push.close()
-        hub.sock.close(linger=1000)  # lets the goodbye out
+        hub.close(linger_ms=1000)  # lets the goodbye out
         ctx.term()
+
+
+def _register_again(hub: HubClient, name: str, state: dict) -> int:
+    """The hub removed us (silent past actors.heartbeat_timeout_s, e.g. a stopped process,
+    or its connection to us closed) and re-issued our grants: register again, keeping
+    the weights we hold (the next sync brings them up to date). Returns the new id."""
+    welcome = hub.request(Hello(actor_name=name, pid=os.getpid(), host=socket.gethostname()))
+    if not isinstance(welcome, Welcome):
+        raise RuntimeError(f"the hub refused registration: {welcome}")
+    log.warning("actor %d was removed by the hub; registered again as actor %d", state["actor_id"],
+                welcome.actor_id)
+    state["actor_id"] = welcome.actor_id
+    return welcome.actor_id
 
 
 class Syncer:
@@ -228,9 +222,9 @@ class LeaveNow(Exception):
     """From the in-flight hook, out of the middle of generation: the hub said goodbye
     (exit code 0) or stopped answering (1)."""
 
-    def __init__(self, code: int, why: str):
+    def __init__(self, code: int, why: str, rejoin: bool = False):
         super().__init__(why)
-        self.code, self.why = code, why
+        self.code, self.why, self.rejoin = code, why, rejoin
 
 
 class InFlight:
@@ -264,7 +258,7 @@ class InFlight:
             except TimeoutError:
                 raise LeaveNow(1, f"the hub did not answer for {self.timeout_s:.0f}s") from None
             if isinstance(reply, Goodbye):
-                raise LeaveNow(0, reply.reason)
+                raise LeaveNow(0, reply.reason, rejoin=reply.rejoin)
             if isinstance(reply, SyncOrder):
                 completed = s.completed
                 s.follow(reply)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..admission import Admission
 from ..config import Config, to_yaml
@@ -31,7 +32,7 @@ from ..tasks.base import Task
 from ..tasks.reward_guard import REASONS
 from ..tracing import TraceWriter
 from ..transport import (EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder,
-                         TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, recv, send)
+                         TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, claimed_group, read_frames, send)
 from ..transport.security import CurveServer
 from ..weight_sync import WeightBroadcaster
 
@@ -53,6 +54,7 @@ class ActorInfo:
     # Joins weight broadcasts only from its first work request on, i.e. once its model
     # is loaded: members of a new epoch's group would otherwise wait for the load.
     ready: bool = False
+    fd: int = -1  # the hub's file descriptor of its request connection (see _on_disconnects)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class Coordinator:
         self._ready = threading.Event()
         self._lock = threading.Lock()  # held while messages are handled; see snapshot()
         self.hub_addr = self.experience_addr = ""
+        self._fd = -1  # connection of the hub message being handled (_drain)
         self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------
@@ -189,12 +192,18 @@ class Coordinator:
         curve = CurveServer(ctx, self.cfg.security.keys_dir) if self.cfg.security.curve else None
         hub, self.hub_addr = self._bind(ctx, zmq.ROUTER, self.cfg.transport.hub_port, curve)
         hub.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A closed connection (the kernel closes a killed process's sockets) names its
+        # file descriptor: the actor whose requests came through it is reaped at once,
+        # not after actors.heartbeat_timeout_s. (ROUTER_NOTIFY, which would name the
+        # peer, is a draft API that pyzmq's libzmq is not built with.)
+        disconnects = hub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         pull, self.experience_addr = self._bind(ctx, zmq.PULL, self.cfg.transport.experience_port, curve)
         self._write_endpoints()
         self._ready.set()
         poller = zmq.Poller()
         poller.register(hub, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
+        poller.register(disconnects, zmq.POLLIN)
         stop_deadline = None
         try:
             while True:
@@ -207,11 +216,15 @@ class Coordinator:
                     if hub in events:
                         for identity, msg in self._drain(hub, routed=True, most=64):
                             self._on_request(hub, identity, msg)
+                    if disconnects in events:
+                        self._on_disconnects(disconnects)
                     if pull in events:
-                        for _, msg in self._drain(pull, routed=False, most=256):
+                        for _, msg in self._drain(pull, routed=False, most=256, on_reject=self._on_rejected_group):
                             self._on_experience(msg)
                     self._reap_dead()
         finally:
+            hub.disable_monitor()
+            disconnects.close(0)
             hub.close(0)
             pull.close(0)
             if curve is not None:
@@ -219,15 +232,26 @@ class Coordinator:
             ctx.term()
             self._stopped.set()
 
-    def _drain(self, sock: zmq.Socket, *, routed: bool, most: int):
-        """Up to `most` valid messages already queued (invalid ones are counted by recv)."""
+    def _drain(self, sock: zmq.Socket, *, routed: bool, most: int, on_reject=None):
+        """Up to `most` valid messages already queued (invalid ones are counted by
+        read_frames). On the hub, `self._fd` is the connection the message came through."""
         for _ in range(most):
             try:
-                identity, msg = recv(sock, self.limits, self.rejects, routed=routed, flags=zmq.NOBLOCK)
+                parts = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            self._fd = parts[0].get(zmq.SRCFD) if routed else -1
+            identity, msg = read_frames(parts, self.limits, self.rejects, routed=routed, on_reject=on_reject)
             if msg is not None:
                 yield identity, msg
+
+    def _on_disconnects(self, monitor: zmq.Socket) -> None:
+        while monitor.poll(0):
+            fd = recv_monitor_message(monitor)["value"]
+            # A new connection may reuse the number before we see this event: then a live
+            # actor is removed, and registers again on its next request (rejoin).
+            for actor in [a for a in self.actors.values() if a.fd == fd]:
+                self._remove(actor.actor_id, "its connection closed")
 
     # -- requests -----------------------------------------------------------------
     def _reply(self, hub: zmq.Socket, identity: bytes, msg) -> None:
@@ -246,8 +270,8 @@ class Coordinator:
             if isinstance(msg, Goodbye):
                 return  # an actor we already removed, leaving too: nothing to do
             self.rejects.reject("unknown_actor")
-            if isinstance(msg, WorkRequest):
-                self._reply(hub, identity, Goodbye(reason="unknown actor: register with hello first"))
+            if isinstance(msg, WorkRequest):  # e.g. stalled past the heartbeat timeout, now back
+                self._reply(hub, identity, Goodbye(reason="unknown actor: register with hello first", rejoin=True))
             return
         if identity != actor.identity and not isinstance(msg, (Heartbeat, TraceSpans)):
             # Requests come from the socket that registered (heartbeats and the spans
@@ -256,6 +280,8 @@ class Coordinator:
             self.rejects.reject("identity_mismatch")
             return
         actor.last_seen = now
+        if identity == actor.identity:
+            actor.fd = self._fd
         if isinstance(msg, Heartbeat):
             actor.version = max(actor.version, msg.version)
             actor.peak_rss_mb = msg.peak_rss_mb
@@ -332,7 +358,7 @@ class Coordinator:
     def _register(self, hub: zmq.Socket, identity: bytes, msg: Hello, now: float) -> None:
         actor_id = self._next_actor_id
         self._next_actor_id += 1
-        self.actors[actor_id] = ActorInfo(actor_id, msg.actor_name, msg.pid, msg.host, identity, now)
+        self.actors[actor_id] = ActorInfo(actor_id, msg.actor_name, msg.pid, msg.host, identity, now, fd=self._fd)
         log.info("actor %d (%s, pid %d) joined", actor_id, msg.actor_name, msg.pid)
         self._membership_changed()
         self._reply(hub, identity, Welcome(actor_id=actor_id, config_yaml=to_yaml(self.cfg),
@@ -370,6 +396,23 @@ class Coordinator:
         os.replace(tmp, self.run_dir / "endpoints.json")  # readers never see a half-written file
 
     # -- experience ---------------------------------------------------------------
+    def _give_back(self, actor_id: int, index: int) -> None:
+        """Every grant ends exactly once: a group of a live actor's grant that is refused
+        for any reason is generated again (re-issued), like the grants of an actor that left."""
+        grant = self.granted.get(index)
+        if grant is None or grant.actor_id != actor_id:
+            return
+        del self.granted[index]
+        actor = self.actors.get(actor_id)
+        if actor is not None:
+            actor.outstanding.discard(index)
+        self.reissue.append(index)
+
+    def _on_rejected_group(self, frames) -> None:
+        claim = claimed_group(frames, self.limits)
+        if claim is not None:
+            self._give_back(*claim)
+
     def _on_experience(self, msg) -> None:
         if isinstance(msg, EvalResult):
             reason = self.evals.on_result(msg)
@@ -388,14 +431,16 @@ class Coordinator:
         if grant is None or grant.actor_id != msg.actor_id:
             self.rejects.reject("not_granted")
             return
+        reason = None
         if msg.version < grant.version or msg.version > self.version:
-            self.rejects.reject("bad_version")
-            return
-        if msg.response_tokens.shape[0] != self.cfg.train.group_size or msg.prompt_id != grant.prompt_id:
-            self.rejects.reject("bad_group")
-            return
-        if self.cfg.train.advantage == "remax" and msg.greedy_reward is None:
-            self.rejects.reject("missing_baseline")
+            reason = "bad_version"
+        elif msg.response_tokens.shape[0] != self.cfg.train.group_size or msg.prompt_id != grant.prompt_id:
+            reason = "bad_group"
+        elif self.cfg.train.advantage == "remax" and msg.greedy_reward is None:
+            reason = "missing_baseline"
+        if reason is not None:
+            self.rejects.reject(reason)
+            self._give_back(msg.actor_id, msg.group)
             return
         stored = self.buffer.put(msg.group, msg.version, msg)
         self._last_result = time.monotonic()

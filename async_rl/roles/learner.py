@@ -13,13 +13,8 @@ Run with: torchrun --nproc-per-node R -m async_rl.roles.learner RUN_DIR/config.y
 from __future__ import annotations
 
 import collections
-import datetime
-import faulthandler
 import logging
 import math
-import os
-import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,11 +26,11 @@ import torch.distributed as dist
 
 from ..batching import Batch, build_batch, order_for_ranks, scatter_batch
 from ..checkpoint import BUFFER_FILE, load_checkpoint, read_groups, save_checkpoint, save_hf_model, write_groups
-from ..config import Config, load_config, to_yaml
+from ..config import Config, to_yaml
 from ..health import RunHealth
 from ..prompting import prompt_limit
-from ..runtime import (EXIT_NONFINITE, EXIT_REWARD_ERRORS, make_prompt_format, make_task_from_config, peak_rss_mb,
-                       quiet_libraries, resolve_device, sync_backend, write_status)
+from ..runtime import (EXIT_CONFIG, EXIT_NONFINITE, EXIT_REWARD_ERRORS, EXIT_STALLED, make_prompt_format,
+                       make_task_from_config, peak_rss_mb, resolve_device, sync_backend, write_status)
 from ..tasks.reward_guard import describe, step_errors
 from ..metrics import MetricsLogger, batch_histograms, generations_table, version_mix
 from ..tracing import SpanRecorder, TraceWriter
@@ -77,6 +72,7 @@ class Learner:
         self.version = 0
         self.samples_total = self.skipped_total = 0
         self.stop_event = threading.Event()  # set by SIGINT/SIGTERM; rank 0 acts on it
+        self.halt: tuple[int, str] | None = None  # rank 0: (exit code, reason) of a stop for want of data
         self.spans = SpanRecorder(enabled=False)  # the timeline is rank 0's: see _init_rank0
         state = load_checkpoint(resume, self._trained_parts()) if resume else None
         if state is not None:
@@ -137,13 +133,18 @@ class Learner:
             if taken is not None or self.stop_event.is_set():
                 return taken is not None
             c = self.coordinator
+            # Either way the run stops like an interrupted one: a checkpoint, final/, one line.
             if c.skips_in_a_row >= SKIPS_IN_A_ROW:
-                raise RuntimeError(f"the last {c.skips_in_a_row} prompts were all longer than the prompt limit of "
-                                   f"{c.prompt_limit} tokens: raise task.max_prompt_tokens (or lower "
-                                   f"actors.max_new_tokens, which the default limit leaves room for)")
-            if c.idle_s(since=started) > cfg.learner.timeout_s:
-                raise RuntimeError(f"no experience or evaluation result arrived for {cfg.learner.timeout_s:.0f}s "
-                                   f"(live actors: {c.live_actors})")
+                self.halt = (EXIT_CONFIG, f"the last {c.skips_in_a_row} prompts were all longer than the prompt limit "
+                             f"of {c.prompt_limit} tokens: raise task.max_prompt_tokens (or lower "
+                             f"actors.max_new_tokens, which the default limit leaves room for)")
+            elif c.idle_s(since=started) > cfg.learner.timeout_s:
+                self.halt = (EXIT_STALLED, f"stopped at step {self.version}: no experience or evaluation result "
+                             f"arrived for {cfg.learner.timeout_s:.0f}s (learner.timeout_s; live actors: "
+                             f"{c.live_actors}); start actors and --resume")
+            if self.halt is not None:
+                log.error("%s", self.halt[1])
+                return False
             return None
 
         if self.rank == 0 and self.stop_event.is_set():
@@ -255,9 +256,11 @@ class Learner:
         last_end = time.monotonic()
         skipped_streak = 0
         stop_reason, exit_code = None, 0
+        stopped = False  # by rank 0, before the step: a signal, or no data (self.halt)
         while self.version < cfg.train.max_steps:
             local, info = self._next_batch()
             if local is None:
+                stopped = True
                 break
             is_weights: list[torch.Tensor] | None = [] if self.rank == 0 else None
             with self.spans.span("train-step", step=self.version + 1):
@@ -334,12 +337,16 @@ class Learner:
                 self._request_eval()
             if cfg.checkpoint.every and self.version % cfg.checkpoint.every == 0 and self.version < cfg.train.max_steps:
                 self._checkpoint()
-        if not self.stop_event.is_set():
+        if not stopped:
             self._final_eval()
         self._finish()
         if self.rank == 0:
             # torchrun turns a worker's nonzero exit into its own error report, so the
             # outcome travels to the launcher in a file and every rank exits 0.
+            if self.halt is not None:
+                exit_code, stop_reason = self.halt
+            elif stopped:
+                stop_reason = f"interrupted at step {self.version}"
             write_status(self.run_dir, exit_code, stop_reason or "finished")
         return 0
 
@@ -387,31 +394,8 @@ def shutdown_world() -> None:
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    faulthandler.enable()  # a crash in native code (gloo, BLAS) still prints where each thread was
-    cfg = load_config(argv[0])
-    resume = Path(argv[argv.index("--resume") + 1]) if "--resume" in argv else None
-    quiet_libraries()
-    device = resolve_device(cfg.model.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    torch.set_num_threads(cfg.learner.threads)
-    dist.init_process_group(backend=sync_backend(device), timeout=datetime.timedelta(seconds=cfg.learner.timeout_s))
-    learner = Learner(cfg, resume)
-
-    def request_stop(signum, _frame):
-        learner.stop_event.set()
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    code = learner.run()
-    shutdown_world()
-    return code
-
-
 if __name__ == "__main__":
     from ..runtime import exit_now
+    from .learner_process import main
 
     exit_now(main())

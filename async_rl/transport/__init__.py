@@ -17,7 +17,8 @@ from .messages import (
     WorkGrant,
     WorkRequest,
 )
-from .wire import SCHEMA, RejectCounter, WireError, WireLimits, decode, encode, recv, send
+from .wire import (SCHEMA, RejectCounter, WireError, WireLimits, claimed_group, decode, encode, read_frames, recv,
+                   send)
 
 __all__ = [
     "MESSAGE_TYPES",
@@ -37,6 +38,8 @@ __all__ = [
     "Welcome",
     "WireError",
     "WireLimits",
+    "claimed_group",
+    "read_frames",
     "WorkGrant",
     "WorkRequest",
     "decode",

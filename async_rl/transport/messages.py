@@ -152,6 +152,7 @@ class Goodbye(Message):
     KIND: ClassVar[str] = "goodbye"
     reason: str
     actor_id: int = bounded(lo=-1, default=-1)  # set by an actor that leaves, so the hub re-issues its prompts at once
+    rejoin: bool = False  # hub -> actor: you were removed (silent too long, or disconnected); register again
 
 
 # eq=False: the generated __eq__ would compare ndarrays, whose truth is ambiguous.

@@ -11,7 +11,7 @@ import threading
 import types
 import typing
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import msgpack
 import numpy as np
@@ -294,15 +294,39 @@ def send(socket: zmq.Socket, msg: Message, *, identity: bytes | None = None, fla
     socket.send_multipart(frames, flags=flags, copy=False)
 
 
+def claimed_group(frames: Sequence[Any], limits: WireLimits) -> tuple[int, int] | None:
+    """(actor_id, group) an experience message that failed validation says it carries,
+    when its header still reads: the hub hands that grant back for another try instead
+    of waiting for a group that will never be accepted. Only a hint: the hub acts on it
+    only for a grant the named actor really holds."""
+    try:
+        header = _unpack_header(_as_view(frames[0]), limits) if frames else None
+    except WireError:
+        return None
+    body = header.get("body") if type(header) is dict and header.get("kind") == "experience_group" else None
+    if type(body) is not dict or type(body.get("actor_id")) is not int or type(body.get("group")) is not int:
+        return None
+    return body["actor_id"], body["group"]
+
+
 def recv(socket: zmq.Socket, limits: WireLimits, counter: RejectCounter, *, routed: bool,
-         flags: int = 0) -> tuple[bytes | None, Message | None]:
+         flags: int = 0, on_reject: Callable[[list], None] | None = None) -> tuple[bytes | None, Message | None]:
     """One message: (identity if ``routed`` else None, message or None when invalid,
-    counted in ``counter``). zmq errors (zmq.Again on timeout) propagate."""
-    parts = socket.recv_multipart(flags=flags, copy=False)
+    counted in ``counter``; ``on_reject(frames)`` then sees the frames). zmq errors
+    (zmq.Again on timeout) propagate."""
+    return read_frames(socket.recv_multipart(flags=flags, copy=False), limits, counter, routed=routed,
+                       on_reject=on_reject)
+
+
+def read_frames(parts: list, limits: WireLimits, counter: RejectCounter, *, routed: bool,
+                on_reject: Callable[[list], None] | None = None) -> tuple[bytes | None, Message | None]:
+    """`recv` for frames already received (a caller that also wants zmq's frame properties)."""
     # A ROUTER prepends the sending DEALER's identity frame.
     identity, parts = (parts[0].bytes, parts[1:]) if routed else (None, parts)
     try:
         return identity, decode(parts, limits)
     except WireError as err:
         counter.record(err)
+        if on_reject is not None:
+            on_reject(parts)
         return identity, None

@@ -1,0 +1,87 @@
+"""The launcher under an operator's faults, on real runs: a second writer on a live run
+directory is refused, a launcher killed outright takes its whole run with it, and SIGHUP
+stops a run like SIGTERM (a checkpoint, final/, exit 129)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, alive, kill_tree, subprocess_env
+
+from async_rl.run_lock import RunLock
+from async_rl.runtime import process_tree
+
+SMALL = ["train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4", "task.eval_size=32",
+         "eval.every=0", "learner.ranks=1"]
+
+
+def launch(run: Path, model: Path, *overrides: str, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run}",
+           f"model.path={model}", *SMALL, *overrides]
+    with open(log, "wb") as err:
+        return subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=err)
+
+
+def wait_training(run: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("loss/total") >= 2):
+        assert proc.poll() is None and time.time() < deadline, "the run did not start training"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+def test_second_writer_is_refused_and_a_killed_launcher_leaves_nothing_running(tmp_path, demo_model):
+    run = tmp_path / "run"
+    first = launch(run, demo_model, "train.max_steps=100000", "actors.count=2", log=tmp_path / "first.log")
+    try:
+        wait_training(run, first)
+        tree = process_tree(first.pid)
+        assert len(tree) >= 4  # launcher, torchrun, a learner rank, two actors
+        endpoints = (run / "endpoints.json").read_text()
+        for extra in ([], ["--resume", str(run)]):
+            started = time.monotonic()
+            second = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"),
+                                     f"run_dir={run}", f"model.path={demo_model}", *SMALL, *extra],
+                                    capture_output=True, text=True, timeout=60, env=subprocess_env())
+            assert second.returncode == 2, second.stderr[-2000:]
+            lines = [l for l in second.stderr.splitlines() if l.startswith("async-rl")]
+            assert lines == [lines[-1]] and f"is in use by pid {first.pid}" in lines[-1]
+            assert time.monotonic() - started < 20
+        assert (run / "endpoints.json").read_text() == endpoints  # the first run's files untouched
+
+        os.kill(first.pid, signal.SIGKILL)  # the launcher alone: its children lead their own sessions
+        first.wait(timeout=10)
+        deadline = time.time() + 10
+        while any(alive(p) for p in tree[1:]) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in tree[1:] if alive(p)], "processes of the run outlived its launcher by 10 s"
+    finally:
+        if first.poll() is None:
+            kill_tree(first)
+    # The lock died with its holders: the directory can be taken again.
+    RunLock(run).acquire().release()
+
+
+@pytest.mark.timeout(120)
+def test_sighup_stops_the_run_like_sigterm(tmp_path, demo_model):
+    run = tmp_path / "run"
+    proc = launch(run, demo_model, "train.max_steps=100000", log=tmp_path / "launcher.log")
+    try:
+        wait_training(run, proc)
+        tree = process_tree(proc.pid)
+        proc.send_signal(signal.SIGHUP)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    err = (tmp_path / "launcher.log").read_text()
+    assert proc.returncode == 128 + signal.SIGHUP, err[-3000:]
+    assert "stopping (SIGHUP)" in err and "Traceback" not in err
+    status = json.loads((run / "status.json").read_text())
+    assert status["reason"].startswith("interrupted at step")
+    assert (run / "final" / "model.safetensors").exists() and list((run / "checkpoints").glob("step_*"))
+    assert not [p for p in tree[1:] if alive(p)]
