@@ -270,7 +270,10 @@ def drill_kill_actor(args) -> dict:
 def drill_stall_actor(args) -> dict:
     """The only actor is stopped (SIGSTOP) past its heartbeat timeout, then continued."""
     timeout = 3
-    proc, run = start_run(args, "stall-actor", "actors.count=1", f"actors.heartbeat_timeout_s={timeout}")
+    # A broadcast under way when the actor stopped waits sync.timeout_s for it (a gloo
+    # collective cannot be called off): keep that short too.
+    proc, run = start_run(args, "stall-actor", "actors.count=1", f"actors.heartbeat_timeout_s={timeout}",
+                          "sync.timeout_s=5")
     try:
         wait_for("training", lambda: last_step(run) >= args.kill_at and endpoints(run)["actors"], proc, args.timeout)
         actor = endpoints(run)["actors"][0]

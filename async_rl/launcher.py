@@ -142,14 +142,16 @@ def prepare(cfg: Config, resume: str | None = None) -> tuple[Path, Path | None, 
         checkpoint = find_resume_checkpoint(cfg, resume) if resume else None
         return prepare_run_dir(cfg, resuming=checkpoint is not None), checkpoint, lock
     except BaseException:
-        lock.release()
+        lock.release(refused=True)
         raise
 
 
-def _wait_for_hub(run_dir: Path, learner: subprocess.Popen, timeout_s: float) -> str:
+def _wait_for_hub(run_dir: Path, learner: subprocess.Popen, timeout_s: float, stopping=lambda: False) -> str:
     deadline = time.monotonic() + timeout_s
     path = run_dir / "endpoints.json"
     while time.monotonic() < deadline:
+        if stopping():
+            raise RuntimeError("interrupted while the learner was starting")
         if learner.poll() is not None:
             raise RuntimeError(f"the learner exited with status {learner.returncode} before starting its hub")
         if path.exists():
@@ -239,7 +241,8 @@ def train(cfg: Config, resume: str | None = None) -> int:
     old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     try:
         # Loading a large model comes before the hub: give start-up at least HUB_START_S.
-        hub = _wait_for_hub(run_dir, learner, timeout_s=max(cfg.learner.timeout_s, HUB_START_S))
+        hub = _wait_for_hub(run_dir, learner, timeout_s=max(cfg.learner.timeout_s, HUB_START_S),
+                            stopping=lambda: bool(stop_signal))
         actors = [_spawn_actor(cfg, hub, i, logs) for i in range(cfg.actors.count)]
         while learner.poll() is None and not stop_signal:
             time.sleep(0.2)

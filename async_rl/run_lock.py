@@ -21,6 +21,7 @@ class RunLock:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
         self._fd: int | None = None
+        self.created = False
 
     @property
     def fd(self) -> int | None:
@@ -29,6 +30,7 @@ class RunLock:
     def acquire(self) -> "RunLock":
         """Take the lock or raise ConfigError naming the holder (exit 2)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.created = not self.path.exists()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -42,7 +44,11 @@ class RunLock:
         self._fd = fd
         return self
 
-    def release(self) -> None:
+    def release(self, refused: bool = False) -> None:
+        """`refused`: the launch stopped before starting anything; a lock file it created
+        goes too, so a refused launch leaves the directory as it found it."""
+        if refused and self.created and self._fd is not None:
+            self.path.unlink(missing_ok=True)
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor of the file description unlocks it
             self._fd = None

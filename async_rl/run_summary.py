@@ -63,6 +63,8 @@ def summary_lines(run_dir: Path) -> list[str]:
     if evals:
         rows.append(("eval", f"accuracy {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "
                              f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})"))
-    rows.append(("outputs", f"model {run_dir / 'final'}; tensorboard --logdir {run_dir / 'tb'}"))
+    final = run_dir / "final" / "model.safetensors"
+    model = f"model {final.parent}" if final.exists() else "no final model (the learner did not get to write it)"
+    rows.append(("outputs", f"{model}; tensorboard --logdir {run_dir / 'tb'}"))
     width = max(len(name) for name, _ in rows)
     return [f"async-rl: {name:<{width}}  {text}" for name, text in rows]
