@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"async-rl: config error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the launcher's own files: a full disk, a read-only directory
+        print(f"async-rl: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 from .checkpoint import latest_intact_checkpoint
 from .config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
 from .run_lock import RunLock
-from .runtime import child_of, make_prompt_format, make_task_from_config, read_status
+from .runtime import LAUNCHER_ENV, child_of, make_prompt_format, make_task_from_config, read_status
 
 log = logging.getLogger("async_rl.launch")
 GRACE_S = 30.0
@@ -223,12 +223,14 @@ def train(cfg: Config, resume: str | None = None) -> int:
     _say(f"run directory {run_dir}" + (f", resuming from {checkpoint.name}" if checkpoint else ""))
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
-    learner_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    # torchrun, with its failure report sent to logs/ (learner_world.py).
+    learner_cmd = [sys.executable, "-m", "async_rl.roles.learner_world", str(run_dir), "--standalone",
                    f"--nproc-per-node={cfg.learner.ranks}", "-m", "async_rl.roles.learner",
                    str(run_dir / "config.yaml"), *(["--resume", str(checkpoint)] if checkpoint else [])]
     # torchrun holds the lock too (an inherited descriptor): it is released only once
-    # neither is alive. Its ranks take no lock of their own (ASYNC_RL_RUN_LOCKED).
-    learner = subprocess.Popen(learner_cmd, env=dict(_child_env(cfg.learner.threads), ASYNC_RL_RUN_LOCKED="1"),
+    # neither is alive. Its ranks take no lock of their own and leave the console
+    # line of a failure to this process (LAUNCHER_ENV).
+    learner = subprocess.Popen(learner_cmd, env=dict(_child_env(cfg.learner.threads), **{LAUNCHER_ENV: "1"}),
                                start_new_session=True, pass_fds=(lock.fd,), preexec_fn=child_of(os.getpid()))
     actors: list[subprocess.Popen] = []
     restarts = 0
@@ -266,7 +268,8 @@ def train(cfg: Config, resume: str | None = None) -> int:
                 except ProcessLookupError:
                     pass
         _wait_all([learner], GRACE_S)
-        _wait_all(actors, 10.0)
+        if learner.returncode == 0:  # the hub told the actors goodbye; a failed one cannot
+            _wait_all(actors, 10.0)
     except RuntimeError as err:
         _say(str(err))
     finally:
@@ -286,7 +289,7 @@ def train(cfg: Config, resume: str | None = None) -> int:
         return int(status["exit_code"])
     if learner.returncode != 0:
         reason = status["reason"] if status and status["exit_code"] else f"exit status {learner.returncode}"
-        _say(f"the learner failed ({reason}); continue from the last checkpoint with: "
+        _say(f"the learner failed: {reason}; details in {logs}; continue from the last checkpoint with: "
              f"async-rl train {run_dir / 'config.yaml'} --resume {run_dir}")
         return 1
     return 0

@@ -85,6 +85,9 @@ EXIT_NONFINITE = 3  # `async-rl train` status after repeated non-finite steps
 EXIT_REWARD_ERRORS = 4  # ... after a step with too many samples scored reward.fallback
 EXIT_STALLED = 5  # no experience for learner.timeout_s (every actor gone)
 STATUS_FILE = "status.json"
+# Set by `async-rl train` for the learner world: it holds the run directory's lock and
+# prints a failure's one console line itself.
+LAUNCHER_ENV = "ASYNC_RL_LAUNCHER"
 
 
 def write_status(run_dir: Path, exit_code: int, reason: str) -> None:

@@ -306,3 +306,22 @@ def test_resume_falls_back_past_a_truncated_buffer(tmp_path, demo_model, finishe
     latest = latest_checkpoint(run)
     check_partition(json.loads((latest / STATE_FILE).read_text())["coordinator"],
                     [i for i, _, _ in read_groups(latest / BUFFER_FILE)])
+
+
+@pytest.mark.timeout(90)
+def test_a_full_disk_in_the_learner_is_one_line_and_keeps_the_checkpoints(tmp_path, demo_model, finished_run):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = {p.name: (p / MANIFEST).read_bytes() for p in complete_checkpoints(run / "checkpoints")}
+    # The resumed learner rewrites metrics.jsonl through this file: the kernel answers ENOSPC.
+    (run / "metrics.jsonl.tmp").symlink_to("/dev/full")
+    proc = subprocess.run(_command(run, demo_model, "train.max_steps=6", "--resume", str(run)),
+                          capture_output=True, text=True, timeout=80, env=subprocess_env())
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    failed = [line for line in proc.stderr.splitlines() if "fail" in line]
+    assert len(failed) == 1 and "No space left on device" in failed[0] and f"--resume {run}" in failed[0], \
+        proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "No space left on device" in (run / "logs" / "learner-rank0.err").read_text()
+    assert {p.name: (p / MANIFEST).read_bytes() for p in complete_checkpoints(run / "checkpoints")} == before
+    assert latest_intact_checkpoint(run)[0].name == "step_000004"

@@ -26,6 +26,14 @@ def launch(run: Path, model: Path, *overrides: str, log: Path) -> subprocess.Pop
         return subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=err)
 
 
+def environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
 def wait_training(run: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.time() + timeout
     while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("loss/total") >= 2):
@@ -85,3 +93,62 @@ def test_sighup_stops_the_run_like_sigterm(tmp_path, demo_model):
     assert status["reason"].startswith("interrupted at step")
     assert (run / "final" / "model.safetensors").exists() and list((run / "checkpoints").glob("step_*"))
     assert not [p for p in tree[1:] if alive(p)]
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_learner_rank_is_one_console_line_with_the_resume_command(tmp_path, demo_model):
+    run = tmp_path / "run"
+    proc = launch(run, demo_model, "train.max_steps=100000", "learner.ranks=2", log=tmp_path / "launcher.log")
+    try:
+        wait_training(run, proc)
+        tree = process_tree(proc.pid)
+        ranks = {env["RANK"]: p for p in tree if "RANK" in (env := environ(p))}
+        assert sorted(ranks) == ["0", "1"]
+        os.kill(ranks["1"], signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    err = (tmp_path / "launcher.log").read_text()
+    assert proc.returncode == 1, err[-3000:]
+    # One line for the failure, naming the root cause (not rank 0's "connection closed"),
+    # and no torchrun report or traceback on the console: that is in logs/torchrun.log.
+    failed = [line for line in err.splitlines() if "learner" in line and "fail" in line]
+    assert len(failed) == 1 and "learner rank 1" in failed[0] and "SIGKILL" in failed[0], err[-3000:]
+    assert f"--resume {run}" in failed[0]
+    assert "Traceback" not in err and "ChildFailedError" not in err and "FAILED" not in err
+    assert "SIGKILL" in (run / "logs" / "torchrun.log").read_text()
+    assert "SIGKILL" in json.loads((run / "status.json").read_text())["reason"]
+    assert not [p for p in tree[1:] if alive(p)]
+
+
+@pytest.mark.timeout(60)
+def test_a_full_disk_when_the_launcher_writes_is_one_line(tmp_path, demo_model):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").symlink_to("/dev/full")  # the kernel answers every write with ENOSPC
+    proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"),
+                           f"run_dir={run}", f"model.path={demo_model}", *SMALL],
+                          capture_output=True, text=True, timeout=50, env=subprocess_env())
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["async-rl: [Errno 28] No space left on device"], proc.stderr[-3000:]
+    assert not (run / "run.lock").exists() and not (run / "logs").exists()
+
+
+def test_root_cause_is_the_killed_rank_else_the_first_error_written(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from async_rl.roles.learner_world import root_cause
+
+    def failure(rank, exitcode):
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file="")
+
+    (tmp_path / "learner-rank0.err").write_text("learner rank 0: RuntimeError: Connection closed by peer\n\n...")
+    assert root_cause({0: failure(0, 1), 1: failure(1, -9)}, tmp_path) == \
+        "learner rank 1 (pid 101) was killed by SIGKILL"
+    time.sleep(0.01)
+    (tmp_path / "learner-rank1.err").write_text("learner rank 1: ValueError: bad batch\n\n...")
+    os.utime(tmp_path / "learner-rank0.err", ns=(time.time_ns(), time.time_ns()))  # rank 0's came second
+    assert root_cause({0: failure(0, 1), 1: failure(1, 1)}, tmp_path) == "learner rank 1: ValueError: bad batch"
+    assert root_cause({2: failure(2, 3)}, tmp_path) == "learner rank 2 (pid 102) exited with status 3"

@@ -111,67 +111,103 @@ def receive(receiver, job, actor_id, bc):
                      store_host=bc.host, store_port=bc.port)
 
 
+def kill_mid_sync(monkeypatch, bc, job, survivor, survivor_id, dying, dying_id, buckets=1, last_words=None):
+    """Run one sync in which the dying member receives `buckets` buckets (forwarding all
+    but the last), calls `last_words` if given, then dies: its connections close, as when
+    the process is killed. Returns the survivor's errors."""
+    failures, completed = bc.failures, bc.completed
+    real_await = schedule.await_bucket
+
+    awaited = [0]  # a count, not the works: holding one would keep the dead member's connections open
+
+    def await_then_die(work, timeout_s):
+        real_await(work, timeout_s)
+        if threading.current_thread().name == "dying":
+            awaited[0] += 1
+            if awaited[0] == buckets:
+                if last_words is not None:
+                    last_words()
+                raise RuntimeError("died")
+
+    monkeypatch.setattr(schedule, "await_bucket", await_then_die)
+    errors, died = [], []
+
+    def survive():
+        try:
+            receive(survivor, job, survivor_id, bc)
+        except Exception as err:
+            errors.append(err)
+
+    def die():
+        try:
+            receive(dying, job, dying_id, bc)
+        except RuntimeError as err:
+            died.append(str(err))
+
+    t = threading.Thread(target=survive)
+    t.start()
+    dead = threading.Thread(target=die, name="dying")
+    dead.start()
+    dead.join(timeout=20)
+    assert died == ["died"]
+    t.join(timeout=20)
+    assert not t.is_alive()
+    deadline = time.time() + 10
+    while bc.failures == failures and time.time() < deadline:
+        time.sleep(0.01)
+    # Rank 0 counts the sync as failed either way: no acknowledgement from the end of the chain.
+    assert bc.failures > failures and bc.completed == completed
+    return errors
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def holds_first_bucket(receiver, flat, source):
+    """Whether `flat` (one of the receiver's bucket sets) holds source's bucket 0."""
+    named = dict(source)
+    return all(same_bits(flat[e.offset:e.offset + e.numel], named[e.name].reshape(-1))
+               for e in receiver.plan[0].entries)
+
+
+def until(done, timeout_s=5.0):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and not done():
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("dying_rank", [1, 2], ids=["dies-first-in-chain", "dies-last-in-chain"])
 def test_member_dying_mid_sync_leaves_survivor_not_intact_until_a_resync(dying_rank, monkeypatch):
-    """Rank 1 forwards to rank 2 (schedule.py). A dead rank 1 leaves the survivor after it
-    half-updated, and it must not generate until a resync; a dead rank 2 leaves the
-    survivor before it with every bucket. Either way rank 0 counts the sync as failed
-    (no acknowledgement from the end of the chain) and resends once the dead member is gone."""
+    """sync.stage_on_actors=false. Rank 1 forwards to rank 2 (schedule.py). A dead rank 1
+    leaves the survivor after it half-updated, and it must not generate until a resync; a
+    dead rank 2 leaves the survivor before it with every bucket. Either way rank 0 counts
+    the sync as failed (no acknowledgement from the end of the chain) and resends once the
+    dead member is gone."""
     source = make_params(0)
     bc = WeightBroadcaster(specs(source), bucket_mb=0.0002, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=10)
     survivor_params = make_params(1)
-    survivor = WeightReceiver(survivor_params, bucket_mb=0.0002, backend="gloo", timeout_s=10)
-    dying = WeightReceiver(make_params(2), bucket_mb=0.0002, backend="gloo", timeout_s=10)
-    assert len(survivor.plan) >= 3
-    real_await = schedule.await_bucket
-
-    def await_then_die(work, timeout_s):  # the dying member takes part in the first bucket only...
-        real_await(work, timeout_s)
-        if threading.current_thread().name == "dying":
-            raise RuntimeError("died")
-
-    monkeypatch.setattr(schedule, "await_bucket", await_then_die)
+    survivor = WeightReceiver(survivor_params, bucket_mb=0.0002, backend="gloo", timeout_s=10, staged=False)
+    dying = WeightReceiver(make_params(2), bucket_mb=0.0002, backend="gloo", timeout_s=10, staged=False)
+    assert len(survivor.plan) >= 3 and survivor.staging is None
     dying_id, survivor_id = (1, 2) if dying_rank == 1 else (2, 1)
     try:
         bc.set_members([1, 2])
         bc.publish(5, iter(source))
         job = wait_for_job(bc, [1, 2])
-        errors = []
+        def first_bucket_landed():
+            return holds_first_bucket(survivor, survivor.buckets[0], source)
 
-        def survive():
-            try:
-                receive(survivor, job, survivor_id, bc)
-            except Exception as err:
-                errors.append(err)
-
-        t = threading.Thread(target=survive)
-        t.start()
-        died = []
-
-        def die():
-            try:
-                receive(dying, job, dying_id, bc)
-            except RuntimeError as err:  # ...then its connections close, as when the process is killed
-                died.append(str(err))
-
-        dead = threading.Thread(target=die, name="dying")
-        dead.start()
-        dead.join(timeout=20)
-        assert died == ["died"]
-        t.join(timeout=20)
-        assert not t.is_alive()
+        errors = kill_mid_sync(monkeypatch, bc, job, survivor, survivor_id, dying, dying_id, buckets=2,
+                               last_words=(lambda: until(first_bucket_landed)) if dying_rank == 1 else None)
         if dying_rank == 1:  # only the first bucket reached the survivor through the dead member
             assert errors, "the survivor should see the sync break off"
             assert not survivor.intact and survivor._group is None
-            assert not torch.equal(source[-1][1], survivor_params[-1][1])
+            assert first_bucket_landed() and not torch.equal(source[-1][1], survivor_params[-1][1])
         else:  # every bucket reached the survivor; its forwards may have been written before the death
             assert all(torch.equal(want, got) for (_, want), (_, got) in zip(source, survivor_params))
             assert survivor.intact == (not errors)
-        deadline = time.time() + 10
-        while bc.failures < 1 and time.time() < deadline:
-            time.sleep(0.01)
-        assert bc.failures >= 1 and bc.completed == 0
         # The reaper removes the dead member; the retry rebroadcasts the same version.
         bc.set_members([survivor_id])
         retry = wait_for_job(bc, [survivor_id], newer_than=job.epoch)
@@ -179,6 +215,64 @@ def test_member_dying_mid_sync_leaves_survivor_not_intact_until_a_resync(dying_r
         receive(survivor, retry, survivor_id, bc)
         assert survivor.intact
         assert all(torch.equal(want, got) for (_, want), (_, got) in zip(source, survivor_params))
+    finally:
+        bc.close()
+
+
+@pytest.mark.parametrize("dying_rank", [1, 2], ids=["dies-first-in-chain", "dies-last-in-chain"])
+def test_member_dying_mid_sync_leaves_staged_survivor_on_its_last_complete_version(dying_rank, monkeypatch):
+    """sync.stage_on_actors=true (the default): the broken-off sync of version 5 lands in
+    the staging buckets only, so the survivor keeps version 4 bit for bit, stays intact
+    (it goes on generating) and gets version 5 from the retry. A dead rank 2 may leave the
+    survivor before it with a complete sync (its forwards already written): then it has
+    version 5, whole."""
+    old, source = make_params(3), make_params(0)
+    bc = WeightBroadcaster(specs(source), bucket_mb=0.0002, host="127.0.0.1", backend="gloo",
+                           device=torch.device("cpu"), timeout_s=10)
+    survivor_params = make_params(1)
+    survivor = WeightReceiver(survivor_params, bucket_mb=0.0002, backend="gloo", timeout_s=10)
+    dying = WeightReceiver(make_params(2), bucket_mb=0.0002, backend="gloo", timeout_s=10)
+    assert len(survivor.plan) >= 3 and survivor.staging is not None
+    dying_id, survivor_id = (1, 2) if dying_rank == 1 else (2, 1)
+    try:
+        bc.set_members([1, 2])
+        bc.publish(4, iter(old))
+        first = wait_for_job(bc, [1, 2])
+        threads = [threading.Thread(target=receive, args=(r, first, k, bc))
+                   for r, k in ((survivor, survivor_id), (dying, dying_id))]
+        [t.start() for t in threads]
+        [t.join(timeout=20) for t in threads]
+        assert all(same_bits(want, got) for (_, want), (_, got) in zip(old, survivor_params)) and survivor.intact
+        before = [p.clone() for _, p in survivor_params]
+        deadline = time.time() + 10
+        while bc.completed < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        bc.publish(5, iter(source))
+        deadline = time.time() + 10
+        while (bc.job() is None or bc.job().version != 5) and time.time() < deadline:
+            time.sleep(0.005)
+        job = bc.job()
+        assert bc.completed == 1 and job.members == (1, 2)
+        def first_bucket_staged():
+            return holds_first_bucket(survivor, survivor.staging[0], source)
+
+        # A dying rank 1 forwards bucket 0 first: the survivor after it is midway, not at the start.
+        errors = kill_mid_sync(monkeypatch, bc, job, survivor, survivor_id, dying, dying_id, buckets=2,
+                               last_words=(lambda: until(first_bucket_staged)) if dying_rank == 1 else None)
+        assert survivor.intact
+        if dying_rank == 1 or errors:
+            assert errors and survivor._group is None
+            assert all(same_bits(want, got) for want, (_, got) in zip(before, survivor_params))
+        else:
+            assert all(same_bits(want, got) for (_, want), (_, got) in zip(source, survivor_params))
+        if dying_rank == 1:  # it broke off midway: version 5's first bucket is in staging only
+            assert first_bucket_staged()
+        bc.set_members([survivor_id])
+        retry = wait_for_job(bc, [survivor_id], newer_than=job.epoch)
+        assert retry.version == 5
+        receive(survivor, retry, survivor_id, bc)
+        assert survivor.intact
+        assert all(same_bits(want, got) for (_, want), (_, got) in zip(source, survivor_params))
     finally:
         bc.close()
 

@@ -53,12 +53,45 @@ def test_receiver_makes_parameters_views_of_its_buckets_without_changing_the_mod
     assert receiver.params[entry.name].reshape(-1)[0].item() == 123.0
 
 
+@pytest.mark.parametrize("bucket_bytes", [256, 2**20], ids=["chain", "one-bucket-broadcast"])
+def test_staged_receiver_delivers_into_the_buckets_its_parameters_view(bucket_bytes):
+    """sync.stage_on_actors (the default): a sync lands in a second bucket set, allocated
+    once, and is then copied into the live buckets, which the parameters still view."""
+    source = [(f"w{i}", torch.randn(64)) for i in range(4)]  # one 256-byte bucket each, or one bucket in all
+    params = [(n, torch.zeros(64)) for n, _ in source]
+    receiver = WeightReceiver(params, bucket_mb=bucket_bytes / 2**20, backend="gloo", timeout_s=10)
+    assert len(receiver.plan) == (4 if bucket_bytes == 256 else 1)
+    assert [(t.shape, t.dtype, t.device) for t in receiver.staging] == [(t.shape, t.dtype, t.device)
+                                                                         for t in receiver.buckets]
+    live = {flat.untyped_storage().data_ptr() for flat in receiver.buckets}
+    staging = [flat.data_ptr() for flat in receiver.staging]
+    assert not live & {flat.untyped_storage().data_ptr() for flat in receiver.staging}
+    bc = WeightBroadcaster(specs(source), bucket_mb=bucket_bytes / 2**20, host="127.0.0.1", backend="gloo",
+                           device=CPU, timeout_s=10)
+    try:
+        bc.set_members([1])
+        for version in (1, 2):
+            bc.publish(version, iter([(n, t + version) for n, t in source]))
+            deadline = time.time() + 10
+            while (bc.job() is None or bc.job().version != version) and time.time() < deadline:
+                time.sleep(0.005)
+            job = bc.job()
+            receiver.receive(epoch=job.epoch, rank=1, world_size=2, store_host=bc.host, store_port=bc.port)
+            assert receiver.intact and all(torch.equal(p, s + version) for (_, p), (_, s) in zip(params, source))
+        assert chained("gloo", len(receiver.plan), 2) == (bucket_bytes == 256)
+        assert all(p.untyped_storage().data_ptr() in live for _, p in params)
+        assert [flat.data_ptr() for flat in receiver.staging] == staging  # reused, not reallocated
+    finally:
+        bc.close()
+
+
 def test_publish_broadcasts_a_bucket_before_the_rest_is_filled():
     source = [(f"w{i}", torch.full((64,), float(i))) for i in range(4)]  # one 256-byte bucket each
     bc = WeightBroadcaster(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="gloo", device=CPU,
                            timeout_s=10)
     params = [(n, torch.zeros(64)) for n, _ in source]
-    receiver = WeightReceiver(params, bucket_mb=256 / 2**20, backend="gloo", timeout_s=10)
+    # Unstaged, so that bucket 0 shows in the parameters the moment it arrives.
+    receiver = WeightReceiver(params, bucket_mb=256 / 2**20, backend="gloo", timeout_s=10, staged=False)
     def receive(version):
         deadline = time.time() + 10
         while (bc.job() is None or bc.job().version != version) and time.time() < deadline:

@@ -110,7 +110,7 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         sync_args = dict(bucket_mb=cfg.sync.bucket_mb, backend=sync_backend(device), timeout_s=cfg.sync.timeout_s)
         make_receiver = getattr(engine, "weight_receiver", None)  # engines whose weights live elsewhere (vLLM)
         receiver = (make_receiver(**sync_args) if make_receiver is not None
-                    else WeightReceiver(engine.parameters_for_sync(), **sync_args))
+                    else WeightReceiver(engine.parameters_for_sync(), staged=cfg.sync.stage_on_actors, **sync_args))
         push = ctx.socket(zmq.PUSH)
         if keys_dir:
             secure_client(push, keys_dir)
@@ -124,8 +124,9 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             engine.step_hook = InFlight(syncer, timeout_s=cfg.transport.timeout_s, poll_s=cfg.sync.in_flight_poll_s)
         log.info("actor %d ready (%s) on %s", actor_id, name, device)
         while True:
-            # Parameters left half-updated by a broken-off broadcast must not generate:
-            # ask for no prompts (the hub answers Wait or SyncOrder) until a sync completes.
+            # Parameters left half-updated by a broken-off broadcast (unstaged receivers:
+            # sync.stage_on_actors=false, vLLM) must not generate: ask for no prompts
+            # (the hub answers Wait or SyncOrder) until a sync completes.
             wanted = cfg.actors.groups_per_request if receiver.intact else 0
             asked_us = now_us()
             try:
@@ -233,14 +234,15 @@ class InFlight:
     request during an outstanding grant like any other: `SyncOrder` or `Wait`) and join a
     waiting broadcast at once, so unfinished responses continue on the new weights.
 
-    A broadcast that breaks off half-way leaves the parameters half-updated
-    (`receiver.intact` False): no further token may come from them. The generation then
-    waits here, asking the hub like the main loop does, until a broadcast completes,
-    and continues on complete weights. Its tokens so far came from intact weights before
-    the sync began, so nothing is discarded, and the grant stays this actor's: no prompt
-    is lost or generated twice, and if the actor dies meanwhile the hub re-issues it.
-    Every member of the broken group is in the same state, so handing the prompts back
-    would not get them generated any sooner.
+    A broadcast that breaks off half-way leaves a staged receiver (sync.stage_on_actors)
+    on its last complete weights, and decoding goes on with them. An unstaged one is
+    left half-updated (`receiver.intact` False): no further token may come from it. The
+    generation then waits here, asking the hub like the main loop does, until a
+    broadcast completes, and continues on complete weights. Its tokens so far came from
+    intact weights before the sync began, so nothing is discarded, and the grant stays
+    this actor's: no prompt is lost or generated twice, and if the actor dies meanwhile
+    the hub re-issues it. Every member of the broken group is in the same state, so
+    handing the prompts back would not get them generated any sooner.
     """
 
     def __init__(self, syncer: Syncer, *, timeout_s: float, poll_s: float):

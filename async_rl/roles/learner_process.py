@@ -2,8 +2,10 @@
 
 Sets the process up (dies with torchrun, holds the run directory's lock when no
 launcher does, joins the torchrun world), runs `Learner.run`, and turns a failure into
-one console line, the traceback in RUN_DIR/logs/learner-rankN.err and the reason in
-status.json.
+its reason and traceback in RUN_DIR/logs/learner-rankN.err, the reason in status.json
+(rank 0), and one console line. Under `async-rl train` (ASYNC_RL_LAUNCHER set) the
+console line is the launcher's, naming the root cause among the ranks' failures
+(learner_world.py); under launch/learner.sh each failing rank prints its own.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import torch.distributed as dist
 
 from ..config import Config, ConfigError, load_config
 from ..run_lock import RunLock
-from ..runtime import EXIT_CONFIG, die_with_parent, quiet_libraries, resolve_device, sync_backend, write_status
+from ..runtime import (EXIT_CONFIG, LAUNCHER_ENV, die_with_parent, quiet_libraries, resolve_device, sync_backend,
+                       write_status)
 from .learner import Learner, shutdown_world
 
 
@@ -32,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(argv[0])
     resume = Path(argv[argv.index("--resume") + 1]) if "--resume" in argv else None
     rank = int(os.environ.get("RANK", 0))
-    if rank == 0 and not os.environ.get("ASYNC_RL_RUN_LOCKED"):
+    if rank == 0 and not os.environ.get(LAUNCHER_ENV):
         try:  # started by launch/learner.sh after `async-rl prepare`: hold the lock ourselves
             _lock = RunLock(Path(cfg.run_dir)).acquire()  # noqa: F841 - held until the process ends
         except ConfigError as err:
@@ -45,19 +48,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(cfg: Config, rank: int, err: Exception) -> int:
-    """One line on the console, the traceback in RUN/logs, the reason in status.json."""
+    """The reason (first line) and traceback in RUN/logs, the reason in status.json
+    and, without a launcher to report it, on the console."""
     import traceback
 
     logs = Path(cfg.run_dir) / "logs"
     where = logs / f"learner-rank{rank}.err"
-    try:
-        logs.mkdir(parents=True, exist_ok=True)
-        where.write_text("".join(traceback.format_exception(err)))
-    except OSError:
-        where = None  # the disk may be what failed
     text = str(err).splitlines()[0] if str(err) else ""
     reason = f"learner rank {rank}: {type(err).__name__}: {text}"[:500]
-    print(f"async-rl: {reason}" + (f" (traceback in {where})" if where else ""), file=sys.stderr, flush=True)
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        where.write_text(reason + "\n\n" + "".join(traceback.format_exception(err)))
+    except OSError:
+        where = None  # the disk may be what failed
+    if not os.environ.get(LAUNCHER_ENV) or where is None:
+        print(f"async-rl: {reason}" + (f" (traceback in {where})" if where else ""), file=sys.stderr, flush=True)
     if rank == 0:
         try:
             write_status(Path(cfg.run_dir), 1, reason)

@@ -1,9 +1,15 @@
 """An actor's side of the weight sync.
 
 The parameters are re-homed at construction as views of persistent per-bucket flat
-tensors (plan.alias_into_buckets), so a bucket lands in them directly, whether it
-comes down the gloo chain (and is forwarded from there) or by NCCL broadcast. An actor on
-the learner's own GPU copies from the learner's mapped buckets instead (CUDA IPC).
+tensors (plan.alias_into_buckets). By default a broadcast, whether it comes down the
+gloo chain (and is forwarded from there) or by NCCL or gloo broadcast, lands in a second
+set of buckets and is copied into the parameters only once every bucket has arrived:
+a broadcast that breaks off midway (a peer actor killed, a timeout) then leaves the
+parameters on the last complete version, and the survivors keep generating with them
+instead of waiting, idle, for the next sync. The price is one more copy of the weights
+in the actor's memory and a memcpy per sync; `sync.stage_on_actors=false` saves both
+for a model that barely fits, and then receives straight into the parameters. An actor
+on the learner's own GPU copies from the learner's mapped buckets instead (CUDA IPC).
 """
 from __future__ import annotations
 
@@ -23,18 +29,30 @@ from .transports import TRANSPORT_KEY, own_choice
 
 
 class WeightReceiver:
-    """Joins each epoch's group and receives every bucket straight into the parameters.
+    """Joins each epoch's group and receives every bucket of a sync.
 
-    A broadcast that breaks off midway (a peer died, a timeout) raises and leaves some
-    parameters new and some old (a bucket may even be half written): `intact` is then
-    False until a broadcast completes, and the actor must not generate with them.
+    `staged` (sync.stage_on_actors, the default): the collective paths receive into
+    `self.staging`, a second set of buckets allocated once here, forward down the chain
+    from there, and copy into the live buckets (the parameters) only once all have
+    arrived. A broadcast that breaks off raises and leaves the parameters untouched, so
+    `intact` stays True and the actor keeps generating on its last complete version.
+
+    Unstaged: every bucket lands straight in the parameters. A broadcast that breaks off
+    leaves some of them new and some old (a bucket may even be half written): `intact`
+    is then False until a broadcast completes, and the actor must not generate with them.
+
+    The CUDA-IPC path is never staged: it is one local device-to-device copy with no
+    network peer that could die halfway through it.
     """
 
-    def __init__(self, params: list[tuple[str, torch.Tensor]], *, bucket_mb: float, backend: str, timeout_s: float):
+    def __init__(self, params: list[tuple[str, torch.Tensor]], *, bucket_mb: float, backend: str, timeout_s: float,
+                 staged: bool = True):
         self.params = dict(params)
         specs = [(n, tuple(p.shape), p.dtype) for n, p in params]
         self.plan = plan_buckets(specs, sync_bucket_bytes(specs, bucket_mb))
         self.buckets = alias_into_buckets(self.params, self.plan)
+        # Allocated once: a sync must not fail (or fragment the allocator) for want of memory.
+        self.staging = [torch.empty_like(flat) for flat in self.buckets] if staged else None
         self.device = self.buckets[0].device if self.buckets else torch.device("cpu")
         # `backend` (the actor's own guess) is kept for the engines' common receiver
         # interface; the group's backend is rank 0's, read from its store entry.
@@ -71,17 +89,28 @@ class WeightReceiver:
         if self.transport == "cuda_ipc":
             self._copy_from_learner(epoch, rank)
             return
-        self.intact = False  # from the first byte on: a broken-off bucket is half written
+        staged = self.staging is not None
+        target = self.staging if staged else self.buckets
+        if not staged:
+            self.intact = False  # from the first byte on: a broken-off bucket is half written
         if chained(self.transport, len(self.buckets), self._world):
-            # A failed forward also leaves intact False: this member has every bucket,
-            # but its sync failed, so it must not label what it generates with the new version.
-            receive_chain(self._group, self.buckets, rank=self._group_rank, world=self._world,
-                          timeout_s=self.timeout_s)
+            # A failed forward also fails the sync: this member has every bucket, but rank 0
+            # does not count the sync, so it must not label what it generates with the new
+            # version. Unstaged, that leaves intact False; staged, the old version stays.
+            receive_chain(self._group, target, rank=self._group_rank, world=self._world, timeout_s=self.timeout_s)
         elif self.device.type == "cuda":  # queued on the stream; the host waits once, with a timeout
-            wait_all([broadcast_async(self._group, flat) for _, flat in zip(self.plan, self.buckets)], self.timeout_s)
+            wait_all([broadcast_async(self._group, flat) for _, flat in zip(self.plan, target)], self.timeout_s)
         else:  # one at a time: queueing them all measured no faster on CPU (bench_sync.py)
-            for _, flat in zip(self.plan, self.buckets):
+            for _, flat in zip(self.plan, target):
                 broadcast(self._group, flat)
+        if staged:
+            # Only a local copy can fail from here on (a device error), but it would
+            # leave a mix of two versions like a broken-off broadcast does.
+            self.intact = False
+            for live, flat in zip(self.buckets, self.staging):
+                live.copy_(flat)
+            if self.device.type == "cuda":  # complete before the sync is reported done
+                torch.cuda.current_stream(self.device).synchronize()
         self.intact = True
 
     def _join(self, epoch: int, rank: int) -> None:
