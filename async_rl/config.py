@@ -79,6 +79,8 @@ class PPOConfig(_Section):
     eps_low: float = Field(0.2, ge=0.0, description="PPO clip range below 1.")
     eps_high: float = Field(0.2, ge=0.0, description="PPO clip range above 1 (eps_high > eps_low = clip-higher).")
     is_cap: float = Field(2.0, gt=0.0, description="Decoupled PPO: cap on the behavior importance weight exp(logp_prox - logp_behav).")
+    is_mode: Literal["truncate", "mask"] = Field("truncate", description="Decoupled PPO: what happens to a token whose importance weight exceeds is_cap: `truncate` = its weight becomes is_cap; `mask` = it is dropped from the loss (weight 0, still counted in the normalization, as AReaL's behav_imp_weight_cap). Either way counted in is/capped_frac.")
+    log_ratio_clamp: float = Field(20.0, gt=0.0, description="Log-ratios (policy/proximal and proximal/behavior) are clamped to +-this before exp, so one extreme token cannot give a huge loss or gradient (verl clamps at 20); the gradient is 0 outside.")
     decoupled: bool = Field(True, description="Decoupled PPO (proximal policy + IS weight, AReaL) vs naive PPO against the behavior policy.")
     dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c > 1: for negative advantages the objective is bounded below by c*A (null = off).")
 
@@ -92,6 +94,7 @@ class KLConfig(_Section):
     coef: float = Field(0.0, ge=0.0, description="Weight of the KL to the frozen initial (reference) policy; 0 = no reference model.")
     estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Schulman's per-token KL estimator.")
     mode: Literal["loss", "reward"] = Field("loss", description="`loss`: coef*KL added to the loss (GRPO); `reward`: -coef*KL per token in the reward (REINFORCE++/RLHF), computed on the behavior log-probs.")
+    clamp: float | None = Field(10.0, gt=0.0, description="Per-token KL estimates are clamped to +-this before entering the loss or reward (verl and OpenRLHF clamp at 10); the gradient is 0 outside; null = unclamped.")
 
 
 class OverlongConfig(_Section):

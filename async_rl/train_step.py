@@ -92,7 +92,8 @@ def compute_advantages(cfg: Config, batch: Batch, logp_ref, values):
     rewards = batch.rewards
     if logp_ref is not None and t.kl.mode == "reward":
         # Samples come from the behavior policy, so its log-probs give an unbiased estimate.
-        kl_tokens = torch.where(mask.bool(), algorithms.kl_estimate(batch.logp_behav, logp_ref, t.kl.estimator), 0.0)
+        kl_tokens = torch.where(mask.bool(), algorithms.kl_estimate(batch.logp_behav, logp_ref, t.kl.estimator,
+                                                                     clamp=t.kl.clamp), 0.0)
         rewards = rewards - t.kl.coef * kl_tokens.sum(dim=-1)
     if t.advantage in algorithms.ADVANTAGE_METHODS:
         return algorithms.group_advantages(rewards, batch.group, method=t.advantage), None, rewards
@@ -140,7 +141,8 @@ def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, retur
         p = t.ppo
         policy, stats = algorithms.ppo_clip_loss(
             logp, prox, micro.logp_behav, adv, m, eps_low=p.eps_low, eps_high=p.eps_high, is_cap=p.is_cap,
-            decoupled=p.decoupled, agg=t.agg, dual_clip=p.dual_clip)
+            decoupled=p.decoupled, agg=t.agg, dual_clip=p.dual_clip, is_mode=p.is_mode,
+            log_ratio_clamp=p.log_ratio_clamp)
         d_policy = d_agg
     else:
         policy, stats = algorithms.opmd_loss(logp, micro.logp_behav, m, micro.rewards, micro.group,
@@ -148,7 +150,8 @@ def _micro_loss(cfg: Config, models: Models, micro: Batch, adv, prox, ref, retur
         d_policy = float(torch.unique(micro.group).numel())
     terms = {"loss/policy": policy * (d_policy / policy_d)}
     if ref is not None:
-        kl = algorithms.kl_estimate(logp, ref, t.kl.estimator)
+        # Clamped as it enters the loss, so policy/kl_ref logs what is penalized.
+        kl = algorithms.kl_estimate(logp, ref, t.kl.estimator, clamp=t.kl.clamp)
         acc["policy/kl_ref"] += float(torch.where(mb, kl.detach(), 0.0).sum())
         if t.kl.mode == "loss":
             terms["loss/kl"] = t.kl.coef * algorithms.aggregate(kl, m, t.agg) * (d_agg / agg_d)

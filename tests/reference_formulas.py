@@ -60,10 +60,13 @@ def k3(d: float) -> float:
     return math.exp(-d) - 1 + d
 
 
-def ref_ppo(logp, prox, behav, adv, mask, *, eps_low, eps_high, is_cap, decoupled, agg, dual_clip=None):
+def ref_ppo(logp, prox, behav, adv, mask, *, eps_low, eps_high, is_cap, decoupled, agg, dual_clip=None,
+            is_mode="truncate", log_ratio_clamp=20.0):
     """(loss, d loss / d logp, stats). r = exp(logp - anchor), w = min(exp(prox - behav), cap)
-    (decoupled) or anchor = behav, w = 1 (naive); obj = min(rA, clip(r)A), for A<0 with dual clip
-    obj = max(obj, dual*A); loss_t = -w*obj. d obj/d logp = rA unless a clip is active, else 0."""
+    (decoupled, is_mode truncate; mask: w = 0 above the cap, the token still counted in the
+    denominator) or anchor = behav, w = 1 (naive); every log-ratio clamped to +-log_ratio_clamp
+    before exp; obj = min(rA, clip(r)A), for A<0 with dual clip obj = max(obj, dual*A);
+    loss_t = -w*obj. d obj/d logp = rA unless a clip (or the log-ratio clamp) is active, else 0."""
     B, T = mask.shape
     logp = logp.detach()
     loss, grad = 0.0, [[0.0] * T for _ in range(B)]
@@ -73,16 +76,20 @@ def ref_ppo(logp, prox, behav, adv, mask, *, eps_low, eps_high, is_cap, decouple
     for (b, s), c in coef.items():
         lp, px, bh = float(logp[b, s]), float(prox[b, s]), float(behav[b, s])
         a = float(adv[b, s]) if adv.dim() == 2 else float(adv[b])
+        def clamp(x):
+            return min(max(x, -log_ratio_clamp), log_ratio_clamp)
+
         if decoupled:
-            r, raw = math.exp(lp - px), math.exp(px - bh)
-            w = min(raw, is_cap)
+            log_r, raw = lp - px, math.exp(clamp(px - bh))
+            w = min(raw, is_cap) if is_mode == "truncate" else (0.0 if raw > is_cap else raw)
             n_capped += raw > is_cap
         else:
-            r, w = math.exp(lp - bh), 1.0
+            log_r, w = lp - bh, 1.0
+        r = math.exp(clamp(log_r))
         rc = min(max(r, 1 - eps_low), 1 + eps_high)
         obj = min(r * a, rc * a)
         clipped = (a > 0 and r > 1 + eps_high) or (a < 0 and r < 1 - eps_low)
-        dobj = 0.0 if clipped else r * a
+        dobj = 0.0 if clipped or abs(log_r) > log_ratio_clamp else r * a
         if dual_clip is not None and a < 0 and dual_clip * a > obj:
             obj, dobj = dual_clip * a, 0.0
             n_dual += 1

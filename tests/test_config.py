@@ -29,11 +29,23 @@ def test_yaml_round_trip():
     ("train.batch_groups=63", "train.batch_groups: must be a multiple"),
     ("task.name=jsonl", "task.train_path:"),
     ("nonsense", "nonsense:"),
+    ("train.ppo.is_mode=drop", "train.ppo.is_mode:"),
+    ("train.ppo.log_ratio_clamp=0", "train.ppo.log_ratio_clamp:"),
+    ("train.kl.clamp=-1", "train.kl.clamp:"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         load_config(ROOT / "configs/demo.yaml", [override])
     assert str(err.value).startswith(key) and "\n" not in str(err.value)
+
+
+def test_clamp_and_is_mode_defaults_and_overrides():
+    cfg = load_config(None)
+    assert cfg.train.ppo.is_mode == "truncate" and cfg.train.ppo.log_ratio_clamp == 20.0
+    assert cfg.train.kl.clamp == 10.0
+    cfg = load_config(ROOT / "configs/demo.yaml", ["train.kl.clamp=null", "train.ppo.is_mode=mask",
+                                                   "train.ppo.log_ratio_clamp=5"])
+    assert cfg.train.kl.clamp is None and cfg.train.ppo.is_mode == "mask" and cfg.train.ppo.log_ratio_clamp == 5.0
 
 
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):

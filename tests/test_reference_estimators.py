@@ -143,6 +143,28 @@ def test_masked_whiten_reference_and_shards(prompt):
     assert not torch.allclose(alone, full)
 
 
+@pytest.mark.parametrize("offset", [0.0, 1e2, 1e3, 1e4])
+@pytest.mark.parametrize("spread", [1.0, 5.0])
+def test_masked_whiten_float32_far_from_zero(offset, spread):
+    # Rewards 1e4 +- 5 in float32: E[x^2] - E[x]^2 in float32 sums cancelled to a variance of 0
+    # (advantages ~1e6 too large). The float64 reference whitens the same float32 values.
+    g = torch.Generator().manual_seed(22)
+    B, T = 32, 12
+    lengths = torch.randint(0, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(torch.float32)
+    x = (offset + spread * torch.randn(B, T, generator=g, dtype=D)).to(torch.float32)
+    x = torch.where(mask.bool(), x, t(NAN).float())  # garbage padding
+    m = mask.bool()
+    vals = x.to(D)[m]
+    expected = torch.where(m, (x.to(D) - vals.mean()) / (vals.std() + STD_EPS), t(0.0))  # two-pass, unbiased
+    got = masked_whiten(x, mask)
+    assert got.dtype == torch.float32
+    assert (got.to(D) - expected).abs().max() / expected.abs().max() < 1e-4
+    shards = [slice(0, 5), slice(5, 6), slice(6, B)]
+    split = sharded(lambda rows, rs: masked_whiten(x[rows], mask[rows], reduce_sum=rs), shards)
+    assert (split.to(D) - expected).abs().max() / expected.abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("gamma", [1.0, 0.8])
 def test_reinforce_pp_reference_and_shards(gamma):
     x = batch(9, prompt=True)
@@ -318,3 +340,44 @@ def test_kl_gradients_match_reference(kind):
                   for i in range(4)])
     close(g_logp, expected)
     close(g_ref, -expected)
+
+
+# ============================================================== KL estimators: clamp
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_clamp_hand_values(kind):
+    # d = logp - logp_ref = 50, -50, 0.3, -0.4. Unclamped: k1 = d; k2 = d^2/2 = 1250, 1250, 0.045, 0.08;
+    # k3 = e^-d - 1 + d = 49 + e^-50, e^50 - 51, 0.040818, 0.091825. Clamped at 10: the extreme tokens
+    # become +-10 (k1 keeps its sign), the normal ones are unchanged.
+    d = t([[50.0, -50.0, 0.3, -0.4]])
+    logp, ref = d.clone().requires_grad_(), torch.zeros_like(d)
+    normal = {"k1": [0.3, -0.4], "k2": [0.045, 0.08],
+              "k3": [math.exp(-0.3) - 0.7, math.exp(0.4) - 1.4]}[kind]
+    extreme = {"k1": [10.0, -10.0], "k2": [10.0, 10.0], "k3": [10.0, 10.0]}[kind]
+    got = kl_estimate(logp, ref, kind, clamp=10.0)
+    assert torch.allclose(got, t([extreme + normal]), rtol=0, atol=1e-12)
+    # d/d logp: 0 where clamped; k1 1, k2 d, k3 1 - e^-d elsewhere
+    (grad,) = torch.autograd.grad(got.sum(), logp)
+    deriv = {"k1": lambda x: 1.0, "k2": lambda x: x, "k3": lambda x: 1 - math.exp(-x)}[kind]
+    assert torch.allclose(grad, t([[0.0, 0.0, deriv(0.3), deriv(-0.4)]]), rtol=0, atol=1e-12)
+    unclamped = {"k1": [50.0, -50.0], "k2": [1250.0, 1250.0], "k3": [49.0 + math.exp(-50), math.exp(50) - 51]}[kind]
+    assert torch.allclose(kl_estimate(d, ref, kind), t([unclamped + normal]), rtol=1e-12, atol=1e-12)
+
+
+def test_kl_clamp_keeps_normal_values_and_float32_gradients_finite():
+    # Normal: |d| below ~2.6, where k3 = e^-d - 1 + d reaches 10 (the policy giving a token
+    # e^2.6 ~ 13x less probability than the reference); k1, k2 stay below 10 for |d| < 4.4.
+    g = torch.Generator().manual_seed(3)
+    a, b = 0.3 * torch.randn(16, 8, generator=g), 0.3 * torch.randn(16, 8, generator=g)
+    for kind in ("k1", "k2", "k3"):
+        unclamped = kl_estimate(a, b, kind)
+        assert unclamped.abs().max() < 10.0
+        assert torch.equal(kl_estimate(a, b, kind, clamp=10.0), unclamped)
+    # float32 e^200 = inf: the clamped k3 is 10 with gradient 0, not 0 * inf = NaN
+    logp = torch.tensor([[-200.0, 0.5]], requires_grad=True)
+    got = kl_estimate(logp, torch.zeros(1, 2), "k3", clamp=10.0)
+    (grad,) = torch.autograd.grad(got.sum(), logp)
+    assert got[0, 0].item() == 10.0 and torch.isfinite(grad).all() and grad[0, 0].item() == 0.0
+    with pytest.raises(ValueError, match="clamp"):
+        kl_estimate(a, b, "k3", clamp=0.0)

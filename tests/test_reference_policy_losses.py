@@ -49,12 +49,14 @@ def check_ppo_stats(got: dict, ref: dict):
 @pytest.mark.parametrize("decoupled", [True, False], ids=["decoupled", "naive"])
 @pytest.mark.parametrize("dual_clip", [None, 2.0], ids=["no-dual", "dual2"])
 @pytest.mark.parametrize("adv_kind", ["seq", "tok"])
-def test_ppo_matches_reference(agg, decoupled, dual_clip, adv_kind):
+@pytest.mark.parametrize("is_mode", ["truncate", "mask"])
+def test_ppo_matches_reference(agg, decoupled, dual_clip, adv_kind, is_mode):
     seen = {k: 0.0 for k in ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "is/capped_frac")}
     for seed in (0, 1):
         x = batch(seed)
         adv = x.adv_seq if adv_kind == "seq" else x.adv_tok
-        kw = dict(eps_low=0.15, eps_high=0.28, is_cap=1.5, decoupled=decoupled, agg=agg, dual_clip=dual_clip)
+        kw = dict(eps_low=0.15, eps_high=0.28, is_cap=1.5, decoupled=decoupled, agg=agg, dual_clip=dual_clip,
+                  is_mode=is_mode)
         loss, stats = ppo_clip_loss(x.logp, x.prox, x.behav, adv, x.mask, **kw)
         ref_loss, ref_grad, ref_stats = ref_ppo(x.logp, x.prox, x.behav, adv, x.mask, **kw)
         close(loss, ref_loss)
@@ -128,6 +130,78 @@ def test_ppo_dual_clip_hand():
     loss, _ = ppo_clip_loss(logp, zero, zero - math.log(2.0), adv, mask, is_cap=3.0, dual_clip=3.0)
     close(loss, 2.3)
     close(grad_of(loss, logp), [[0.0, 1.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("is_mode", ["truncate", "mask"])
+def test_ppo_is_mode_hand(agg, is_mode):
+    # prox = 0: raw w = exp(-behav) = 3, 0.5, 1.5 with is_cap 2; r = exp(logp) = 1.1, 0.9, 1.0 (no clip
+    # at eps 0.2); A = +1, +1, -1. d loss_t / d logp_t = -w * r * A.
+    #   truncate: w = 2, 0.5, 1.5 -> loss_t -2.2, -0.45, 1.5; grads -2.2, -0.45, 1.5
+    #   mask:     w = 0, 0.5, 1.5 -> loss_t  0,   -0.45, 1.5; grads  0,   -0.45, 1.5
+    # The dropped token still counts in the denominator (AReaL): token-mean and seq-mean-token-mean
+    # divide by 3 tokens, seq-mean-token-sum by 1 sequence, in both modes.
+    mask = torch.ones(1, 3)
+    logp = t([[math.log(1.1), math.log(0.9), 0.0]]).requires_grad_()
+    behav = t([[-math.log(3.0), -math.log(0.5), -math.log(1.5)]])
+    prox = torch.zeros(1, 3, dtype=D)
+    adv = t([[1.0, 1.0, -1.0]])
+    loss, st = ppo_clip_loss(logp, prox, behav, adv, mask, is_cap=2.0, agg=agg, is_mode=is_mode)
+    token_loss = [-2.2, -0.45, 1.5] if is_mode == "truncate" else [0.0, -0.45, 1.5]
+    token_grad = [-2.2, -0.45, 1.5] if is_mode == "truncate" else [0.0, -0.45, 1.5]
+    denom = 1.0 if agg == "seq-mean-token-sum" else 3.0
+    close(loss, sum(token_loss) / denom)
+    close(grad_of(loss, logp), [[g / denom for g in token_grad]])
+    w = [2.0, 0.5, 1.5] if is_mode == "truncate" else [0.0, 0.5, 1.5]
+    check_ppo_stats(st, {"is/capped_frac": 1 / 3, "is/weight_mean": sum(w) / 3,
+                         "is/ess": sum(w) ** 2 / (3 * sum(v * v for v in w))})
+    # naive PPO has no importance weight: the mode changes nothing
+    naive_t, _ = ppo_clip_loss(logp, prox, behav, adv, mask, agg=agg, decoupled=False)
+    naive_m, _ = ppo_clip_loss(logp, prox, behav, adv, mask, agg=agg, decoupled=False, is_mode="mask")
+    close(naive_m, naive_t.detach())
+
+
+def test_ppo_is_mode_must_be_known():
+    z = torch.zeros(1, 1, dtype=D)
+    with pytest.raises(ValueError, match="is_mode"):
+        ppo_clip_loss(z, z, z, torch.zeros(1, dtype=D), torch.ones(1, 1), is_mode="drop")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, D])
+def test_ppo_log_ratio_clamp_hand(dtype):
+    # naive PPO, anchor behav = 0, log-ratios 50, -50, ln 1.1 with A = -1, +1, +1; clamp at 20:
+    #   r = e^20:  min(-e^20, -1.2) = -e^20  -> loss_t e^20,   grad 0 (clamped: constant in logp)
+    #   r = e^-20: min(e^-20, 0.8) = e^-20   -> loss_t -e^-20, grad 0
+    #   r = 1.1:   min(1.1, 1.1) = 1.1       -> loss_t -1.1,   grad -r*A = -1.1
+    # token-mean: (e^20 - e^-20 - 1.1) / 3. Unclamped, the first token alone would be e^50 ~ 5e21.
+    mask = torch.ones(1, 3)
+    logp = torch.tensor([[50.0, -50.0, math.log(1.1)]], dtype=dtype, requires_grad=True)
+    zero = torch.zeros(1, 3, dtype=dtype)
+    adv = torch.tensor([[-1.0, 1.0, 1.0]], dtype=dtype)
+    loss, st = ppo_clip_loss(logp, zero, zero, adv, mask, decoupled=False)
+    expected = (math.exp(20) - math.exp(-20) - 1.1) / 3
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(expected, rel=1e-6)
+    grad = grad_of(loss, logp)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 0.0, -1.1 / 3]], dtype=dtype))
+    assert st["ratio_mean"] == pytest.approx((math.exp(20) + math.exp(-20) + 1.1) / 3, rel=1e-6)
+    # float32 exp(100) = inf: only the clamp keeps the loss and the gradient finite
+    far = torch.tensor([[100.0, -100.0, 0.0]], dtype=dtype, requires_grad=True)
+    loss, _ = ppo_clip_loss(far, zero, zero, adv, mask, decoupled=False)
+    assert torch.isfinite(loss) and torch.isfinite(grad_of(loss, far)).all()
+    # decoupled: the proximal/behavior log-ratio is clamped too (w = e^5 with an infinite cap)
+    logp0 = torch.zeros(1, 1, dtype=dtype, requires_grad=True)
+    prox, behav = torch.zeros(1, 1, dtype=dtype), torch.full((1, 1), -50.0, dtype=dtype)
+    loss, st = ppo_clip_loss(logp0, prox, behav, torch.ones(1, dtype=dtype), torch.ones(1, 1),
+                             is_cap=float("inf"), log_ratio_clamp=5.0)
+    assert loss.item() == pytest.approx(-math.exp(5), rel=1e-6) and st["is/weight_mean"] == pytest.approx(math.exp(5))
+    torch.testing.assert_close(grad_of(loss, logp0), torch.tensor([[-math.exp(5)]], dtype=dtype))
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0])
+def test_ppo_log_ratio_clamp_must_be_positive(bad):
+    z = torch.zeros(1, 1, dtype=D)
+    with pytest.raises(ValueError, match="log_ratio_clamp"):
+        ppo_clip_loss(z, z, z, torch.zeros(1, dtype=D), torch.ones(1, 1), log_ratio_clamp=bad)
 
 
 @pytest.mark.parametrize("bad", [1.0, 0.5, -2.0])

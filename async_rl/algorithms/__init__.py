@@ -8,11 +8,12 @@ from .gae import gae_advantages, value_loss
 from .kl import KL_KINDS, kl_estimate
 from .opmd import opmd_loss
 from .overlong import overlong_filter, overlong_penalty
-from .ppo import ppo_clip_loss
+from .ppo import IS_MODES, ppo_clip_loss
 
 __all__ = [
     "ADVANTAGE_METHODS",
     "AGG_MODES",
+    "IS_MODES",
     "KL_KINDS",
     "agg_denominator",
     "aggregate",

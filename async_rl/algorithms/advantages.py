@@ -71,19 +71,26 @@ def token_rewards(
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, reduce_sum: ReduceSum | None = None) -> torch.Tensor:
     """(x - mean) / (std + 1e-6) over the response tokens of the whole batch (unbiased
-    std); padded positions are 0. `reduce_sum` sums a tensor over all learner ranks
-    (e.g. an all_reduce), so the statistics are those of the global batch, not of
-    one rank's shard."""
+    std); padded positions are 0, the result has x's dtype. `reduce_sum` sums a tensor
+    over all learner ranks (e.g. an all_reduce), so the statistics are those of the
+    global batch, not of one rank's shard."""
     m = mask.bool()
-    x = x.detach()
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    moments = torch.stack([m.sum().to(x.dtype), torch.where(m, x, zero).sum(), torch.where(m, x * x, zero).sum()])
+    # float64 moments: var = (sum x^2 - n mean^2) / (n - 1) cancels catastrophically in
+    # float32 once mean/std is in the thousands (rewards 1e4 +- 5 gave var = 0 and
+    # advantages ~1e6 too large); in float64 its relative error is ~1e-16 (mean/std)^2,
+    # < 1e-8 at mean/std = 1e4. A centred two-pass variance would need a second
+    # all_reduce per step, so one float64 reduction of raw moments is the cheaper cure.
+    x64 = x.detach().to(torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    x64 = torch.where(m, x64, zero)  # garbage (inf/NaN) in padding must not reach the sums
+    moments = torch.stack([m.sum().to(torch.float64), x64.sum(), x64.square().sum()])
     if reduce_sum is not None:
         moments = reduce_sum(moments)
     n, s1, s2 = moments.unbind()
     mean = s1 / n.clamp(min=1)
     var = ((s2 - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0)
-    return torch.where(m, (x - mean) / (var.sqrt() + _STD_EPS), zero)
+    out_dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
+    return torch.where(m, (x64 - mean) / (var.sqrt() + _STD_EPS), zero).to(out_dtype)
 
 
 def discounted_returns(token_r: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -16,6 +16,19 @@ for A_t < 0 the surrogate is also bounded below by dual_clip * A_t (dual_clip > 
 so a huge ratio on a bad token cannot produce an unbounded update:
 
     loss_t = -w_t * max(min(r_t A_t, clip(r_t) A_t), dual_clip * A_t)      (A_t < 0)
+
+Both log-ratios are clamped to [-log_ratio_clamp, log_ratio_clamp] (default 20) before
+exp, as verl's `compute_policy_loss` clamps `negative_approx_kl` to [-20, 20]
+(verl/trainer/ppo/core_algos.py): one token whose probability moved by e^50 would
+otherwise give a loss and gradient of that size (or inf). Outside the range the
+gradient through the ratio is 0, as in verl.
+
+is_mode="mask" drops tokens whose raw weight exceeds is_cap instead of truncating
+it (w_t = 0), AReaL's `behav_imp_weight_cap` (areal/utils/functional.py
+`ppo_actor_loss_fn`). As there, dropped tokens stay in the normalization
+denominator (AReaL divides by the count of the original loss mask), so dropping
+scales the loss down instead of re-weighting the kept tokens; it also keeps the
+learner's global denominators, computed before any forward, exact.
 """
 
 from __future__ import annotations
@@ -24,6 +37,8 @@ import torch
 
 from .aggregation import aggregate
 from .kl import kl_estimate
+
+IS_MODES: tuple[str, ...] = ("truncate", "mask")
 
 
 def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:
@@ -43,11 +58,17 @@ def ppo_clip_loss(
     decoupled: bool = True,
     agg: str = "token-mean",
     dual_clip: float | None = None,
+    is_mode: str = "truncate",
+    log_ratio_clamp: float = 20.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token tensors are `[B, T]`; `advantages` is `[B]` (broadcast over tokens)
     or `[B, T]`. Returns (scalar loss with grad, dict of float stats)."""
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if is_mode not in IS_MODES:
+        raise ValueError(f"unknown is_mode {is_mode!r}; expected one of {', '.join(IS_MODES)}")
+    if log_ratio_clamp <= 0:
+        raise ValueError(f"log_ratio_clamp must be > 0, got {log_ratio_clamp}")
     m = mask.bool()
     dtype = torch.promote_types(logp.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
@@ -63,12 +84,15 @@ def ppo_clip_loss(
     adv = advantages.detach().to(dtype)
     adv = clean(adv[:, None].expand_as(logp) if adv.dim() == 1 else adv)
 
+    def exp_clamped(log_ratio: torch.Tensor) -> torch.Tensor:
+        return torch.exp(log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp))
+
     if decoupled:
-        ratio = torch.exp(logp - logp_prox)
-        raw_w = torch.exp(logp_prox - logp_behav)
-        w = raw_w.clamp(max=is_cap)
+        ratio = exp_clamped(logp - logp_prox)
+        raw_w = exp_clamped(logp_prox - logp_behav)
+        w = torch.where(raw_w > is_cap, zero, raw_w) if is_mode == "mask" else raw_w.clamp(max=is_cap)
     else:
-        ratio = torch.exp(logp - logp_behav)
+        ratio = exp_clamped(logp - logp_behav)
         raw_w = w = torch.ones_like(ratio)
 
     surr = ratio * adv
@@ -88,7 +112,7 @@ def ppo_clip_loss(
         n = m.sum().clamp(min=1)
         w_resp = torch.where(m, w, zero)
         if decoupled and m.any():
-            # ESS of the *capped* weights actually used in the loss, normalized to (0, 1].
+            # ESS of the capped (or masked) weights actually used in the loss, normalized to (0, 1].
             ess = float(w_resp.sum().square() / (m.sum() * w_resp.square().sum()).clamp(min=1e-30))
         else:
             ess = 1.0
@@ -98,6 +122,7 @@ def ppo_clip_loss(
             "clip_frac_high": float((clipped & (ratio > 1.0)).sum() / n),
             "dual_clip_frac": float(dual_active.sum() / n),
             "is/ess": ess,
+            # Truncated tokens under is_mode="truncate", dropped ones under "mask".
             "is/capped_frac": float((m & (raw_w > is_cap)).sum() / n),
             "is/weight_mean": _masked_mean(w, m),
             # k3 of KL(behav || prox): samples come from the behavior policy.

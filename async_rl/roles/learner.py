@@ -147,10 +147,9 @@ class Learner:
                 return False
             return None
 
-        if self.rank == 0 and self.stop_event.is_set():
-            poll = lambda: False  # noqa: E731 - stop before taking anything
+        stop_now = self.rank == 0 and self.stop_event.is_set()  # stop before taking anything
         with self.spans.span("wait-for-data", step=self.version + 1):
-            if not self._wait_together(poll):
+            if not self._wait_together((lambda: False) if stop_now else poll):
                 return None, {}
         batch, info = None, {}
         if self.rank == 0:

@@ -35,9 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(argv[0])
     resume = Path(argv[argv.index("--resume") + 1]) if "--resume" in argv else None
     rank = int(os.environ.get("RANK", 0))
+    lock = None
     if rank == 0 and not os.environ.get(LAUNCHER_ENV):
         try:  # started by launch/learner.sh after `async-rl prepare`: hold the lock ourselves
-            _lock = RunLock(Path(cfg.run_dir)).acquire()  # noqa: F841 - held until the process ends
+            lock = RunLock(Path(cfg.run_dir)).acquire()
         except ConfigError as err:
             print(f"async-rl: config error: {err}", file=sys.stderr)
             return EXIT_CONFIG
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         return _train(cfg, resume)
     except Exception as err:
         return _fail(cfg, rank, err)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _fail(cfg: Config, rank: int, err: Exception) -> int:
