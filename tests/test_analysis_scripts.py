@@ -362,3 +362,45 @@ def test_staleness_of_a_hand_written_run(hand_run):
         "staleness max": "2", "k=0": "33.3%", "k=1": "50.0%", "k=2": "16.7%", "ESS mean": "0.9000",
         "ESS min": "0.8000", "dropped groups": "1"}]]
     assert_pngs(hand_run / "analysis", "staleness_hist.png", "staleness_time.png", "is_ess.png")
+
+
+# -- analysis/bench_peer.py: the async-rl side end to end, the TRL side where TRL is installed.
+PEER = ROOT / "analysis/bench_peer.py"
+PEER_SMALL = ["--set", "train.batch_groups=8", "--set", "train.group_size=4", "--set", "actors.groups_per_request=4",
+              "--set", "task.eval_size=32", "--seeds", "0", "--target", "0.0"]  # 32 samples per step
+
+
+def bench_peer(out: Path, model: Path, *args: str) -> dict:
+    """Run the benchmark from `model` (the fixture's, instead of a warm start built per seed)."""
+    proc = subprocess.run([sys.executable, str(PEER), "--out", str(out), "--model", str(model), *PEER_SMALL, *args],
+                          capture_output=True, text=True, timeout=110, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]  # stdout: JSON lines only
+    assert len(lines) == 1 and lines == [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    return lines[0]
+
+
+def check_peer_figures(r: dict, steps: int) -> None:
+    assert r["reached"] and r["steps_to_target"] == steps and r["steps_run"] >= steps
+    assert r["samples_per_s"] == pytest.approx(steps * 32 / r["time_to_target_s"], rel=0.05)
+    assert r["cpu_s"] > 1 and r["cpu_s_per_sample"] == pytest.approx(r["cpu_s"] / (steps * 32), abs=0.01)
+    assert r["first_step_s"] <= r["time_to_target_s"]
+
+
+def test_bench_peer_async_rl(tmp_path, demo_model):
+    line = bench_peer(tmp_path, demo_model, "--systems", "async-rl", "--max-steps", "4", "--eval-every", "2")
+    assert line["seed"] == 0 and line["trl"] is None and line["ratio_trl_over_async_rl"] is None
+    r = line["async_rl"]
+    check_peer_figures(r, steps=2)  # step 0's evaluation never counts as reaching the target
+    _, evals = read_metrics(Path(r["run_dir"]))
+    assert r["time_to_target_s"] == pytest.approx(next(e["time"] for e in evals if e["step"] >= 1), abs=0.01)
+    assert r["eval_first"] == evals[0]["eval/accuracy"] and evals[0]["step"] == 0
+
+
+def test_bench_peer_trl(tmp_path, demo_model):
+    pytest.importorskip("trl")
+    line = bench_peer(tmp_path, demo_model, "--systems", "trl", "--max-steps", "2", "--eval-every", "1")
+    assert line["async_rl"] is None and line["ratio_trl_over_async_rl"] is None
+    r = line["trl"]
+    check_peer_figures(r, steps=1)  # stopped at the first evaluation after step 0
+    assert r["steps_run"] == 1 and r["eval_s_subtracted"] > 0
