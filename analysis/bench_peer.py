@@ -49,14 +49,14 @@ optimizer step per batch), max 4 new tokens, temperature 1, top_p 1 and no top-k
 max_steps and no warmup, grad-norm clip 1, fp32, no KL (beta 0), PPO clip 0.2/0.2,
 loss averaged over all tokens of the batch, advantages (r - mean) / std per group.
 Differences that remain:
-  - async-rl is asynchronous (max_staleness 2): its samples may come from weights up to 2
-    steps old, weighted by decoupled PPO's capped importance weight. TRL generates each
+  - async-rl is asynchronous (the demo's max_staleness): its samples may come from weights
+    up to that many steps old, weighted by decoupled PPO's capped importance weight. TRL generates each
     batch with the current weights (in both, one optimizer step per batch: ratio 1, no clip).
   - GRPO's std epsilon: TRL divides by std + 1e-4, async-rl by std + 1e-6 (both unbiased
     std; with 0/1 rewards a group's nonzero std is >= 0.35, so advantages differ < 0.03%).
   - Warmup, when set: TRL's is step/warmup, async-rl's (step+1)/warmup (the demo has none).
-  - Layout: async-rl runs 2 learner ranks and 1 actor of 1 thread each; TRL one process of
-    --trl-threads threads that generates, then trains.
+  - Layout: async-rl runs the demo's learner ranks (auto: 1 on CPU) and 1 actor, 1 thread
+    each; TRL one process of --trl-threads threads that generates, then trains.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -63,7 +63,7 @@ class RewardConfig(_Section):
 
 
 class LearnerConfig(_Section):
-    ranks: int = Field(2, ge=1, le=64, description="Learner processes (torchrun --nproc-per-node) sharing the model with FSDP2.")
+    ranks: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field("auto", description="Learner processes (torchrun --nproc-per-node) sharing the model with FSDP2. `auto` (chosen and printed at launch): one per visible GPU with model.device=cuda; on CPU one, whose learner.threads use the cores (ranks on one machine share its memory, so more ranks fit no larger model, and their collectives cost time; set a number to shard anyway).")
     threads: int = Field(1, ge=1, description="torch intra-op threads per learner rank (CPU).")
     micro_batch_size: int = Field(256, ge=1, description="Sequences per forward/backward on one rank (gradient accumulation beyond).")
     micro_batch_tokens: int | None = Field(None, ge=1, description="Token budget per micro-batch instead of micro_batch_size: whole groups are added while they fit (real tokens with learner.pack, rows x longest row without); null = use micro_batch_size.")
@@ -201,12 +201,13 @@ class Config(_Section):
             # Admission needs actors at version >= v - max_staleness; with rarer syncs
             # they never get there and the run deadlocks.
             raise ValueError(f"sync.every: must be <= max_staleness + 1 = {self.max_staleness + 1}, got {self.sync.every}")
-        if self.train.batch_groups % self.learner.ranks:
-            raise ValueError(f"train.batch_groups: must be a multiple of learner.ranks={self.learner.ranks} "
+        ranks = self.learner.ranks  # "auto" is checked once the launch has chosen it (launcher.choose_learner_ranks)
+        if ranks != "auto" and self.train.batch_groups % ranks:
+            raise ValueError(f"train.batch_groups: must be a multiple of learner.ranks={ranks} "
                              f"(each rank trains on whole groups), got {self.train.batch_groups}")
-        if self.train.batch_groups % (self.learner.ranks * self.train.minibatches):
+        if ranks != "auto" and self.train.batch_groups % (ranks * self.train.minibatches):
             raise ValueError(f"train.minibatches: batch_groups={self.train.batch_groups} must split into "
-                             f"learner.ranks * minibatches = {self.learner.ranks * self.train.minibatches} equal parts "
+                             f"learner.ranks * minibatches = {ranks * self.train.minibatches} equal parts "
                              f"of whole groups")
         if self.train.loss == "opmd" and self.train.advantage in ("remax", "gae"):
             raise ValueError(f"train.advantage: {self.train.advantage} needs train.loss=ppo (opmd uses rewards directly)")
@@ -267,7 +268,10 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"])
+    # A union's member tag ("constrained-int", "literal['auto']") ends the key.
+    loc = list(first["loc"])
+    cut = next((i for i, p in enumerate(loc) if isinstance(p, str) and not p.isidentifier()), len(loc))
+    key = ".".join(str(p) for p in loc[:cut])
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         return f"{key}: unknown key"

@@ -24,10 +24,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from pydantic import ValidationError
+
 from .checkpoint import latest_intact_checkpoint
 from .config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
 from .run_lock import RunLock
-from .runtime import LAUNCHER_ENV, child_of, make_prompt_format, make_task_from_config, read_status
+from .runtime import (LAUNCHER_ENV, child_of, make_prompt_format, make_task_from_config, read_status,
+                      resolve_device)
 
 log = logging.getLogger("async_rl.launch")
 GRACE_S = 30.0
@@ -88,8 +92,37 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
     elif not (Path(cfg.model.path) / "config.json").exists():
         raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json)")
     check_task(cfg)
+    chosen = choose_learner_ranks(cfg)
+    if chosen:
+        log.info("%s", chosen)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     return run_dir
+
+
+def choose_learner_ranks(cfg: Config) -> str | None:
+    """Resolve `learner.ranks: auto` in place: one rank per visible GPU on CUDA, one on
+    CPU (ranks on one machine share its memory, so sharding fits no larger model there,
+    and one rank's intra-op threads use the cores without collectives). Returns the
+    line that says what was chosen and why; None when the config names a number.
+    ConfigError when the choice does not divide the batch."""
+    if cfg.learner.ranks != "auto":
+        return None
+    try:
+        device = resolve_device(cfg.model.device)
+    except RuntimeError as err:
+        raise ConfigError(f"model.device: {err}") from None
+    if device.type == "cuda":
+        cfg.learner.ranks = torch.cuda.device_count()
+        why = f"one per visible GPU ({cfg.learner.ranks})"
+    else:
+        cfg.learner.ranks = 1
+        why = "CPU: one process trains without collectives; more ranks on one machine would fit no larger model"
+    try:
+        Config.model_validate(cfg.model_dump())
+    except ValidationError as err:
+        raise ConfigError(f"learner.ranks: auto chose {cfg.learner.ranks}, but "
+                          f"{err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    return f"learner.ranks=auto: {cfg.learner.ranks} ({why}; set learner.ranks to choose)"
 
 
 def check_task(cfg: Config) -> None:

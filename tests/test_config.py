@@ -26,7 +26,9 @@ def test_yaml_round_trip():
     ("train.loss=dpo", "train.loss:"),
     ("max_staleness=-1", "max_staleness:"),
     ("sync.every=9", "sync.every:"),
-    ("train.batch_groups=63", "train.batch_groups: must be a multiple"),
+    ("learner.ranks=2 train.batch_groups=63", "train.batch_groups: must be a multiple"),
+    ("learner.ranks=0", "learner.ranks"),
+    ("learner.ranks=some", "learner.ranks"),
     ("task.name=jsonl", "task.train_path:"),
     ("nonsense", "nonsense:"),
     ("train.ppo.is_mode=drop", "train.ppo.is_mode:"),
@@ -35,7 +37,7 @@ def test_yaml_round_trip():
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
-        load_config(ROOT / "configs/demo.yaml", [override])
+        load_config(ROOT / "configs/demo.yaml", override.split())
     assert str(err.value).startswith(key) and "\n" not in str(err.value)
 
 

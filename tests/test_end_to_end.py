@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):
     run = tmp_path / "run"
-    proc = train(run, demo_model, "train.max_steps=4", "max_staleness=2", "checkpoint.every=2")
+    proc = train(run, demo_model, "train.max_steps=4", "max_staleness=2", "checkpoint.every=2", "learner.ranks=2")
     steps, evals = read_metrics(run)
     # The one-screen summary at the end, from metrics.jsonl.
     summary = [line for line in proc.stderr.splitlines() if line.startswith("async-rl: ")][-8:]

@@ -110,3 +110,24 @@ def test_a_reward_module_in_the_working_directory_reaches_the_spawned_processes(
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert sum("loss/total" in l for l in lines) == 2 and sum("eval/accuracy" in l for l in lines) >= 1
+
+
+def test_learner_ranks_auto_is_one_on_cpu_one_per_gpu_and_must_divide_the_batch(monkeypatch):
+    import torch
+
+    import async_rl.launcher as launcher
+    from async_rl.config import ConfigError, load_config
+
+    cfg = load_config(ROOT / "configs/demo.yaml", ["model.device=cpu"])
+    assert cfg.learner.ranks == "auto"
+    assert launcher.choose_learner_ranks(cfg).startswith("learner.ranks=auto: 1 (CPU") and cfg.learner.ranks == 1
+    explicit = load_config(ROOT / "configs/demo.yaml", ["learner.ranks=2"])
+    assert launcher.choose_learner_ranks(explicit) is None and explicit.learner.ranks == 2
+
+    monkeypatch.setattr(launcher, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    gpus = load_config(ROOT / "configs/demo.yaml")
+    assert "one per visible GPU (4)" in launcher.choose_learner_ranks(gpus) and gpus.learner.ranks == 4
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(ConfigError, match=r"^learner.ranks: auto chose 3, but train.batch_groups: must be a multiple"):
+        launcher.choose_learner_ranks(load_config(ROOT / "configs/demo.yaml"))

@@ -35,7 +35,7 @@ def _partition_holds(checkpoint: Path) -> None:
 @pytest.mark.timeout(300)
 def test_sigkilled_job_resumes_from_its_last_checkpoint(tmp_path, demo_model):
     run = tmp_path / "run"
-    cmd = _command(run, demo_model, "train.max_steps=24", "checkpoint.every=3")
+    cmd = _command(run, demo_model, "train.max_steps=24", "checkpoint.every=3", "learner.ranks=2")
     proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
