@@ -28,7 +28,7 @@ TRACING = (ROOT / "async_rl/tracing.py").exists()  # where runs write trace.json
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory, demo_model):
     run_dir = tmp_path_factory.mktemp("analysis") / "async"
-    train(run_dir, demo_model, *TINY)
+    train(run_dir, demo_model, *TINY, "max_staleness=2")
     return run_dir
 
 

@@ -213,3 +213,22 @@ def test_in_flight_syncs_inside_generate_are_not_counted_twice():
              Span(name="generate", start_s=2.0, dur_s=1.0), Span(name="sync", start_s=2.9, dur_s=0.3)]  # overlaps the end
     assert [s.start_s for s in sim._outside_generate(spans, "sync")] == [1.2, 2.9]
     assert sim._outside_generate([Span(name="sync", start_s=0.0, dur_s=1.0)], "sync")[0].dur_s == 1.0
+
+
+def test_pinned_check_speedup_table_matches_hand_values():
+    """Generation of a batch r x slower than training it, no sync cost, n actors on their
+    own devices sharing each batch: synchronous steps take (r / n + 1) t, asynchronous
+    ones max(r / n, 1) t."""
+    spec = importlib.util.spec_from_file_location("pinned_check", ROOT / "analysis/pinned_check.py")
+    pinned = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pinned)
+    # Seconds-long steps, so that the hub's 20 ms Wait quantum is negligible; 2 groups per
+    # request, so that 8 actors can share a batch.
+    p = sim.Params(**{**EXACT, "batch_groups": 16, "groups_per_request": 2, "step_seconds": 1.0,
+                      "gen_seconds_per_group": [0.1], "sync_seconds": 0.0, "broadcast_seconds": 0.0})
+    rows = [line.split(" | ") for line in pinned.speedup_table(p, staleness=2).splitlines()[2:]]
+    assert [row[0] for row in rows] == ["| 2x", "| 3x", "| 4x", "| 5x"]
+    for r, row in zip((2, 3, 4, 5), rows):
+        speedups = [float(cell.strip(" |x")) for cell in row[1:]]
+        hand = [(r / n + 1) / max(r / n, 1) for n in (1, 2, 4, 8)]
+        assert speedups == pytest.approx(hand, rel=0.1), (r, speedups, hand)
