@@ -90,17 +90,10 @@ def base_model(args, seed: int) -> Path:
     """The demo model warm-started exactly as `async-rl train` does (launcher.prepare_run_dir)."""
     if args.model:
         return args.model.resolve()
-    from async_rl.models import build_demo_model
-    from async_rl.models.demo import INFO_FILE
-    from async_rl.runtime import make_task_from_config
+    from async_rl.launcher import ensure_demo_model
 
-    cfg = load_run_config(args, seed)
-    target = (args.out / f"seed{seed}" / "base_model").resolve()
-    if not (target / INFO_FILE).exists():  # written last: a half-written directory is rebuilt
-        say(f"seed {seed}: building the demo base model in {target} ...")
-        build_demo_model(target, seed=cfg.seed, task=make_task_from_config(cfg),
-                         target_accuracy=cfg.model.warm_start_accuracy)
-    return target
+    say(f"seed {seed}: the demo base model in {args.out / f'seed{seed}' / 'base_model'}")
+    return ensure_demo_model(load_run_config(args, seed), (args.out / f"seed{seed}" / "base_model").resolve())
 
 
 def say(message: str) -> None:

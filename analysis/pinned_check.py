@@ -106,13 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model
     if model is None:
         from async_rl.config import load_config
-        from async_rl.models import build_demo_model
-        from async_rl.runtime import make_task_from_config
+        from async_rl.launcher import ensure_demo_model
 
-        cfg, model = load_config(CONFIG), args.out / "base_model"
-        if not (model / "config.json").exists():
-            build_demo_model(model, seed=cfg.seed, task=make_task_from_config(cfg),
-                             target_accuracy=cfg.model.warm_start_accuracy)
+        model = ensure_demo_model(load_config(CONFIG), args.out / "base_model")
     runs = {}
     for eta in (0, args.staleness):
         run = args.out / f"staleness{eta}"

@@ -81,14 +81,7 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
         (run_dir / stale).unlink(missing_ok=True)
     cfg.run_dir = str(run_dir)
     if cfg.model.path == "demo":
-        from .models import build_demo_model
-
-        target = run_dir / "base_model"
-        if not (target / "config.json").exists():
-            log.info("building the demo model (with supervised warm start) in %s", target)
-            build_demo_model(target, seed=cfg.seed, task=make_task_from_config(cfg),
-                             target_accuracy=cfg.model.warm_start_accuracy)
-        cfg.model.path = str(target)
+        cfg.model.path = str(ensure_demo_model(cfg, run_dir / "base_model"))
     elif not (Path(cfg.model.path) / "config.json").exists():
         raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json)")
     check_task(cfg)
@@ -97,6 +90,19 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
         log.info("%s", chosen)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     return run_dir
+
+
+def ensure_demo_model(cfg: Config, target: Path) -> Path:
+    """The demo model for cfg's seed and task, warm-started into `target` unless a
+    complete one is there (its INFO_FILE is written last)."""
+    from .models import build_demo_model
+    from .models.demo import INFO_FILE
+
+    if not (target / INFO_FILE).exists():
+        log.info("building the demo model (with supervised warm start) in %s", target)
+        build_demo_model(target, seed=cfg.seed, task=make_task_from_config(cfg),
+                         target_accuracy=cfg.model.warm_start_accuracy)
+    return target
 
 
 def choose_learner_ranks(cfg: Config) -> str | None:
