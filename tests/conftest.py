@@ -7,8 +7,20 @@ import time
 from pathlib import Path
 
 import pytest
+import zmq
+
+from async_rl.transport import RejectCounter, WireLimits, recv, send
 
 ROOT = Path(__file__).resolve().parents[1]
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(items):
+    """Everything under tests/integration/ launches real processes: mark it, so that
+    `-m "not integration"` (or `pytest tests/unit`) is the fast loop."""
+    for item in items:
+        if INTEGRATION in Path(item.fspath).resolve().parents:
+            item.add_marker(pytest.mark.integration)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -177,3 +189,24 @@ def chat_model(tmp_path_factory) -> Path:
     tok.save_pretrained(out)
     GenerationConfig(bos_token_id=1, eos_token_id=[2, 0], pad_token_id=2).save_pretrained(out)
     return out
+
+
+def dealer(ctx, addr):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(addr)
+    return s
+
+
+def ask(sock, msg):
+    send(sock, msg)
+    _, reply = recv(sock, WireLimits(), RejectCounter(), routed=False)
+    return reply
+
+
+def wait_for(pred, timeout=5.0):
+    deadline = time.time() + timeout
+    while not pred() and time.time() < deadline:
+        time.sleep(0.01)
+    return pred()

@@ -20,7 +20,7 @@ import pytest
 import torch
 import zmq
 from conftest import running_coordinator, subprocess_env
-from test_coordinator import ask, dealer
+from conftest import ask, dealer
 
 from async_rl.transport import ExperienceGroup, Hello, Welcome, WireLimits, WorkGrant, WorkRequest, encode
 

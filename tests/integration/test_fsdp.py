@@ -8,7 +8,7 @@ from conftest import subprocess_env
 import torch
 from safetensors.torch import load_file
 
-WORKER = Path(__file__).parent / "workers" / "fsdp_step.py"
+WORKER = Path(__file__).parents[1] / "workers" / "fsdp_step.py"
 
 
 def run_step(tmp_path: Path, ranks: int, variant: str) -> dict[str, torch.Tensor]:

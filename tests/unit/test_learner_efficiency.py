@@ -11,7 +11,7 @@ import torch
 from conftest import ROOT, subprocess_env
 from safetensors.torch import load_file
 
-WORKER = Path(__file__).parent / "workers" / "learner_variants.py"
+WORKER = Path(__file__).parents[1] / "workers" / "learner_variants.py"
 
 
 def tiny_models():

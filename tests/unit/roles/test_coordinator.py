@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import running_coordinator
+from conftest import ask, dealer, running_coordinator, wait_for
 
-from async_rl.transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Hello, RejectCounter, Wait, Welcome,
-                                WireLimits, WorkGrant, WorkRequest, encode, recv, send)
+from async_rl.transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Hello, Wait, Welcome, WorkGrant, WorkRequest,
+                                encode, send)
 
 G = 2
 
@@ -22,20 +22,6 @@ def hub(tmp_path):
         yield running
 
 
-def dealer(ctx, addr):
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.RCVTIMEO, 5000)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(addr)
-    return s
-
-
-def ask(sock, msg):
-    send(sock, msg)
-    _, reply = recv(sock, WireLimits(), RejectCounter(), routed=False)
-    return reply
-
-
 def group_msg(actor_id, index, prompt_id, version=0, logprob=-0.5):
     T = 3
     return ExperienceGroup(
@@ -44,13 +30,6 @@ def group_msg(actor_id, index, prompt_id, version=0, logprob=-0.5):
         response_lengths=np.array([3, 2], dtype=np.int32), logprobs=np.full((G, T), logprob, dtype=np.float32),
         token_versions=np.full((G, T), version, dtype=np.int32), rewards=np.array([1.0, 0.0], dtype=np.float32),
         truncated=np.zeros(G, np.uint8), gen_seconds=0.1)
-
-
-def wait_for(pred, timeout=5.0):
-    deadline = time.time() + timeout
-    while not pred() and time.time() < deadline:
-        time.sleep(0.01)
-    return pred()
 
 
 def test_register_grant_admission_and_experience(hub, tmp_path):

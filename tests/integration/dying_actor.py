@@ -1,5 +1,5 @@
 """`async-rl actor` that SIGKILLs itself in the middle of a weight sync, for
-tests/test_elastic_actors.py: `python tests/dying_actor.py N --hub ADDR` dies after the
+tests/integration/test_elastic_actors.py: `python tests/integration/dying_actor.py N --hub ADDR` dies after the
 second bucket of its N-th sync, while the other members receive the same sync. It
 joined last, so it is the end of the chain (weight_sync/schedule.py): the members
 before it have every bucket by then, and rank 0, left without the acknowledgement,

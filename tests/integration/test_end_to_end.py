@@ -9,7 +9,7 @@ from conftest import alive, kill_tree, read_metrics, subprocess_env, train
 
 from async_rl.metrics import EVAL_KEYS, STEP_KEYS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):

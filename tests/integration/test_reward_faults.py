@@ -1,7 +1,7 @@
 """User reward code that fails on some responses is data: such samples score
 reward.fallback, are counted per reason (reward/errors*) and the run goes on; a reward
 that fails on most responses stops the run with a checkpoint and exit status 4.
-The rewards (tests/fault_rewards.py) pass the launch check and fail only on model output."""
+The rewards (tests/integration/fault_rewards.py) pass the launch check and fail only on model output."""
 import os
 import subprocess
 import sys
@@ -14,8 +14,8 @@ SMALL = ["learner.ranks=1", "eval.every=5", "train.max_steps=10", "reward.timeou
 
 
 def _with_fault_rewards(env: dict[str, str]) -> dict[str, str]:
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT / "tests")) if p)
-    return env  # the launcher and the actors import the reward from tests/
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT / "tests" / "integration")) if p)
+    return env  # the launcher and the actors import the reward from tests/integration/
 
 
 def test_rewards_that_raise_hang_or_return_nan_or_none_are_counted_and_the_run_finishes(tmp_path, demo_model,

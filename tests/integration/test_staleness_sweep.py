@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "analysis/staleness_sweep.py"
 TINY = ["--set", "train.batch_groups=8", "--set", "train.group_size=4", "--set", "actors.groups_per_request=4",
         "--set", "task.eval_size=32", "--set", "eval.every=1", "--set", "learner.ranks=1", "--target", "0.0",

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import zmq
 from conftest import ROOT, running_coordinator
-from test_coordinator import ask, dealer, wait_for
-from test_wire import make_spans
+from conftest import ask, dealer, wait_for
+from wire_samples import make_spans
 
 from async_rl.roles.actor import _ship_spans
 from async_rl.tracing import (ACTOR_SPANS, SPAN_ARG_KEYS, Span, SpanRecorder, TraceWriter, WaitSpan,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import subprocess_env, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "analysis/simulate.py"
 spec = importlib.util.spec_from_file_location("simulate", SCRIPT)
 sim = importlib.util.module_from_spec(spec)

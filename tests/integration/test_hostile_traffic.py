@@ -9,7 +9,7 @@ import time
 import numpy as np
 import zmq
 from conftest import ROOT, kill_tree, read_metrics, subprocess_env
-from test_wire import CASES, make_group
+from wire_samples import CASES, make_group
 
 from async_rl.transport import ExperienceGroup, WorkRequest, encode
 

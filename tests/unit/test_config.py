@@ -7,7 +7,7 @@ from conftest import subprocess_env
 
 from async_rl.config import ConfigError, from_yaml, load_config, reference_markdown, to_yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_config_loads_with_overrides():

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import read_metrics, subprocess_env, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STALENESS = ROOT / "analysis/staleness.py"
 THROUGHPUT = ROOT / "analysis/throughput.py"
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None

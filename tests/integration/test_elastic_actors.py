@@ -107,10 +107,10 @@ def test_actors_killed_and_started_during_a_run(tmp_path, demo_model):
         run.wait_for_progress("after the newcomer joined", live=2)
 
         # 3. An actor that dies halfway through its second sync, at the end of the chain
-        # (tests/dying_actor.py): rank 0 misses its acknowledgement, counts the sync as
+        # (tests/integration/dying_actor.py): rank 0 misses its acknowledgement, counts the sync as
         # failed and sends the version again once the dead actor is reaped.
         failed_syncs = (tmp_path / "launcher.log").read_text().count("failed: Connection closed by peer")
-        dying, dying_log = start_actor(run_dir, "dying", str(ROOT / "tests/dying_actor.py"), "2")
+        dying, dying_log = start_actor(run_dir, "dying", str(ROOT / "tests/integration/dying_actor.py"), "2")
         started.append(dying)
         pids.add(dying.pid)
         dying.wait(timeout=60)
