@@ -1,12 +1,10 @@
 """Staleness admission control (AReaL-style, made exact for out-of-order arrival).
 
 Admission index i counts prompt groups in the order they are granted. The learner
-consumes groups strictly in admission order, `batch_groups` (B) per step, so group i
-is consumed at learner version floor(i / B). A group is admitted to an actor holding
-weights of version v only while i < (eta + v + 1) * B; hence
-floor(i / B) - v <= eta: no sample can be consumed more than eta versions after the
-weights that generated it. The actor's *own* version is used, not the learner's,
-because actors may lag the learner between weight syncs.
+consumes groups strictly in admission order, so the bound of staleness.py
+(i < admission_limit(eta, v, B)) keeps every group's staleness <= eta. The actor's
+*own* version is used, not the learner's, because actors may lag the learner between
+weight syncs.
 
 A slot whose prompt is skipped (longer than the prompt limit) is never generated nor
 consumed, so it does not count: i above is the slot's rank among the slots that are
@@ -18,6 +16,8 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
+from .staleness import admission_limit
+
 
 @dataclass
 class Admission:
@@ -27,7 +27,7 @@ class Admission:
     skipped: list[int] = field(default_factory=list)  # sorted slots whose prompt was skipped
 
     def _limit(self, actor_version: int) -> int:
-        return (self.max_staleness + actor_version + 1) * self.batch_groups
+        return admission_limit(self.max_staleness, actor_version, self.batch_groups)
 
     def allows(self, index: int, actor_version: int) -> bool:
         """May slot `index` be generated with weights of `actor_version`? (re-issues)"""
@@ -47,8 +47,3 @@ class Admission:
         start = self.admitted
         self.admitted += n
         return range(start, start + n)
-
-    @staticmethod
-    def consumed_at(index: int, batch_groups: int) -> int:
-        """Learner version at which the group with this admission index is consumed."""
-        return index // batch_groups

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from .staleness import staleness
+
 T = TypeVar("T")
 _SKIPPED = object()  # the slot's prompt was skipped, nothing will arrive for it
 
@@ -94,7 +96,7 @@ class ReplayBuffer(Generic[T]):
                     index, self._next = self._next, self._next + 1
                     if item is _SKIPPED:
                         continue
-                    if learner_version - version > self.max_staleness:
+                    if staleness(learner_version, version) > self.max_staleness:
                         self.dropped += 1
                         dropped.append(index)
                         continue

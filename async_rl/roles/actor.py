@@ -29,6 +29,7 @@ from ..tracing import SpanRecorder, WaitSpan, now_us, spans_to_arrays
 from ..evaluation import score_prompts
 from ..prompting import stop_token_ids
 from ..tasks import PromptIndex
+from ..staleness import group_version
 from ..tasks.reward_guard import REASONS, RewardGuard
 from ..transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, SyncDone,
                          SyncOrder, TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, encode, send)
@@ -364,10 +365,9 @@ def rollout(engine, prompt_format, task, prompts: PromptIndex, cfg: Config, gran
             versions[j, :n] = c.versions.numpy()
             versions[j, n:] = engine.version
             lengths[j] = n
-        valid = versions[np.arange(T)[None, :] < lengths[:, None]]
         out.append(encode(ExperienceGroup(
             actor_id=actor_id, group=grant.groups[k], prompt_id=grant.prompt_ids[k],
-            version=int(valid.min()) if valid.size else engine.version,
+            version=group_version(versions, lengths, default=engine.version),
             prompt_tokens=np.asarray(prompt_tokens[k], dtype=np.int32), response_tokens=tokens,
             response_lengths=lengths, logprobs=logprobs, token_versions=versions, rewards=rewards_of[k],
             truncated=np.array([not c.finished for c in samples], dtype=np.uint8),

@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from async_rl.admission import Admission
 from async_rl.replay_buffer import ReplayBuffer
+from async_rl.staleness import consumed_at
 
 
 def simulate(eta: int, B: int, n_actors: int, per_request: int, sync_every: int, seed: int, steps: int = 12):
@@ -67,7 +68,7 @@ def test_capacity_uses_actor_version():
     adm = Admission(max_staleness=1, batch_groups=4)
     assert list(adm.admit(0, 100)) == list(range(8))  # (1 + 0 + 1) * 4
     assert adm.capacity(0) == 0 and adm.capacity(1) == 4
-    assert Admission.consumed_at(7, 4) == 1
+    assert consumed_at(7, 4) == 1
     assert adm.allows(7, 0) and not adm.allows(8, 0) and adm.allows(8, 1)
 
 
