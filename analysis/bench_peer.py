@@ -78,6 +78,8 @@ sys.path.insert(0, str(ROOT))  # this checkout's async_rl, whatever copy is inst
 CONFIG = ROOT / "configs/demo.yaml"
 SYSTEMS = ("trl", "async-rl")
 
+from async_rl.run_dir import RunDir  # noqa: E402  (after the path above)
+
 
 def load_run_config(args, seed: int, model: Path | None = None):
     from async_rl.config import load_config
@@ -100,16 +102,6 @@ def say(message: str) -> None:
     print(f"[bench_peer] {message}", file=sys.stderr, flush=True)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    lines = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            lines.append(json.loads(line))
-        except ValueError:
-            pass  # the line a killed run was writing
-    return lines
-
-
 def first_hit(evals: list[dict], target: float) -> dict | None:
     """The first evaluation after training started (step >= 1) that reaches the target."""
     return next((e for e in evals if e["step"] >= 1 and e["eval/accuracy"] >= target), None)
@@ -127,7 +119,7 @@ def run_measured(name: str, cmd: list[str], run_dir: Path, log_path: Path, targe
         try:
             while proc.poll() is None:
                 time.sleep(0.25)
-                evals = [l for l in read_jsonl(run_dir / "metrics.jsonl") if "eval/accuracy" in l]
+                evals = RunDir(run_dir).evals()
                 for e in evals[seen:]:
                     say(f"  {name} step {e['step']}: eval accuracy {e['eval/accuracy']:.3f} at {e['time']:.1f} s")
                 seen = len(evals)
@@ -168,9 +160,7 @@ def run_async_rl(args, seed: int, model: Path) -> dict:
     cmd = [sys.executable, "-m", "async_rl.cli", "train", str(CONFIG), f"run_dir={run_dir}", f"model.path={model}",
            f"seed={seed}", *args.set, f"train.max_steps={args.max_steps}", f"eval.every={args.eval_every}"]
     code, cpu_s = run_measured("async-rl", cmd, run_dir, run_dir.parent / "async-rl.log", args.target, True)
-    lines = read_jsonl(run_dir / "metrics.jsonl")
-    steps = [l for l in lines if "loss/total" in l]
-    evals = [l for l in lines if "eval/accuracy" in l]
+    steps, evals = RunDir(run_dir).steps_and_evals()
     if code not in (0, 143) or not steps:
         raise SystemExit(f"async-rl failed (exit {code}); see {run_dir.parent / 'async-rl.log'}")
     samples_per_step = cfg.train.batch_groups * cfg.train.group_size
@@ -191,7 +181,7 @@ def run_trl(args, seed: int, model: Path) -> dict:
     if code != 0 or not (run_dir / "result.json").exists():
         raise SystemExit(f"TRL failed (exit {code}); see {run_dir.parent / 'trl.log'}")
     worker = json.loads((run_dir / "result.json").read_text())
-    evals = [l for l in read_jsonl(run_dir / "metrics.jsonl") if "eval/accuracy" in l]
+    evals = RunDir(run_dir).evals()
     return {**figures(evals, worker["last_step"], worker["last_time"], worker["first_step_s"], cpu_s,
                       worker["samples_per_step"], args.target),
             "eval_s_subtracted": round(worker["eval_s"], 2), "trl_version": worker["trl_version"],
@@ -281,7 +271,7 @@ def trl_worker(args) -> int:
                  for i in range(0, len(eval_prompts), e.batch_size)]
         return summarize(*(np.concatenate([p[k] for p in parts]) for k in range(3)))["eval/accuracy"]
 
-    metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
+    metrics = open(RunDir(run_dir).metrics_path, "a", buffering=1)  # read back as an async-rl run's
 
     class HeldOutEval(TrainerCallback):
         """Evaluates at step 0 and every eval.every steps, keeps the training clock without

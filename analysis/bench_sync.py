@@ -28,7 +28,7 @@ first also builds the group) are excluded and medians reported:
             straight into its parameters (views of its persistent buckets: no copy);
             timed from the publish call until every receiver has returned and the
             broadcaster has counted the sync complete. On gloo the buckets go down a
-            pipelined chain (async_rl/weight_sync/schedule.py; `schedule` in the
+            pipelined chain (async_rl/weight_sync/gloo_chain.py; `schedule` in the
             output), which one flat buffer cannot: that, not the bucketing itself,
             is where the bucketed path gains on the reference
   nocopy    the same bucket plan and schedule, from/into preallocated buckets, nothing
@@ -51,15 +51,8 @@ Output, one JSON object per line on stdout:
                                  written but not yet run anywhere), backend, bucketed_over_flat (the
                                  smallest over the comparisons) and meets_0_8
 A sanity check (checksums of the received parameters against the source, then zeroed)
-follows the first bucketed round; a mismatch aborts the benchmark.
-
-Measured (CPU, 2 cores, defaults, 2 receivers): bucketed_over_flat (the worst size)
-0.84-0.94 over 8 runs; per size 0.87-1.06 at 12 MiB, 0.84-1.00 at 50 MiB, 0.87-1.03
-at 217 MiB. With one gloo broadcast per bucket instead of the chain it was 0.71-0.83
-(and 0.64-0.68 before the receivers' parameters became views of their buckets and
-publish overlapped the sends). With --receivers 1 there is no tree to beat, the
-learner's copy is the whole difference, and small models stay under 0.8 (0.73 at
-12 MiB, 0.83 at 50 MiB, 0.98 at 217 MiB).
+follows the first bucketed round; a mismatch aborts the benchmark. What it measured is
+in docs/scale.md (Benchmarks).
 """
 from __future__ import annotations
 
@@ -77,7 +70,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from async_rl.weight_sync import WeightBroadcaster, WeightReceiver, broadcast  # noqa: E402
-from async_rl.weight_sync.schedule import chained, receive_chain, send_chain  # noqa: E402
+from async_rl.weight_sync.gloo_chain import chained, receive_chain, send_chain  # noqa: E402
 
 MODES = ("flat", "bucketed", "nocopy")
 
@@ -106,6 +99,12 @@ def qwen2_like_specs(target_bytes: int, dtype: torch.dtype) -> list[tuple[str, t
                   (p + "post_attention_layernorm.weight", (hidden,), dtype)]
     specs.append(("model.norm.weight", (hidden,), dtype))
     return specs
+
+
+def down_a_chain(backend: str, buckets: int, world: int) -> bool:
+    """Whether the real path sends these buckets down the gloo chain (the same rule as
+    the broadcaster's and receivers' ends)."""
+    return backend == "gloo" and chained(buckets, world)
 
 
 def numel_of(shape) -> int:
@@ -151,14 +150,14 @@ def worker(conn, rank: int, threads: int, device_name: str) -> None:
                 _, epoch, world, host, port = msg
                 receiver.receive(epoch=epoch, rank=rank, world_size=world, store_host=host, store_port=port)
             elif op == "flat":  # the receiver's own group (formed by the first bucketed round)
-                broadcast(receiver._group, flat)
+                broadcast(receiver.group, flat)
             elif op == "nocopy":  # the same schedule as receive(), into buckets of its own
                 _, world = msg
-                if chained(receiver.transport, len(buckets), world):
-                    receive_chain(receiver._group, buckets, rank=rank, world=world, timeout_s=receiver.timeout_s)
+                if down_a_chain(receiver.transport, len(buckets), world):
+                    receive_chain(receiver.group, buckets, rank=rank, world=world, timeout_s=receiver.timeout_s)
                 else:
                     for b in buckets:
-                        broadcast(receiver._group, b)
+                        broadcast(receiver.group, b)
             elif op == "checksum":  # then zeroed, so that the next check sees only what the next round wrote
                 conn.send(("checksum", checksum(receiver.params.values())))
                 for t in receiver.params.values():
@@ -258,7 +257,7 @@ class Bench:
                         t0 = time.perf_counter()
                         if mode == "flat":
                             broadcast(bc.group, flat)
-                        elif chained(self.backend, len(nocopy), world):  # the broadcaster's own schedule
+                        elif down_a_chain(self.backend, len(nocopy), world):  # the broadcaster's own schedule
                             send_chain(bc.group, nocopy, world=world, wait_ready=lambda i: None,
                                        timeout_s=self.timeout_s)
                         else:
@@ -279,7 +278,7 @@ class Bench:
         common = {"device": dev.type, "backend": self.backend, "receivers": len(self.conns),
                   "model_mb": round(nbytes / 2**20, 2), "tensors": len(specs), "dtype": str(dtype).replace("torch.", ""),
                   "bucket_mb": bucket_mb, "buckets": len(bc.plan),
-                  "schedule": "chain" if chained(self.backend, len(bc.plan), world) else "broadcast per bucket"}
+                  "schedule": "chain" if down_a_chain(self.backend, len(bc.plan), world) else "broadcast per bucket"}
         lines = []
         med = {}
         for mode in modes:

@@ -42,29 +42,13 @@ from pathlib import Path
 
 from staleness_sweep import base_model  # sibling script: the same shared base model
 
+from async_rl.run_dir import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo.yaml"
 
 
-# -- observing a run from outside, as a user would ------------------------------------
-def read_lines(run: Path) -> tuple[list[dict], list[dict]]:
-    path = run / "metrics.jsonl"
-    lines = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            lines.append(json.loads(line))
-        except ValueError:
-            pass  # the line being written right now
-    return [l for l in lines if "loss/total" in l], [l for l in lines if "eval/accuracy" in l]
-
-
-def endpoints(run: Path) -> dict | None:
-    try:
-        return json.loads((run / "endpoints.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
+# -- observing a run from outside, as a user would: through its files (RunDir) ---------
 def wait_for(what: str, condition, proc: subprocess.Popen, timeout_s: float) -> float:
     """Poll `condition()` until true; seconds waited. Fails if the run exits first."""
     start = time.monotonic()
@@ -77,34 +61,15 @@ def wait_for(what: str, condition, proc: subprocess.Popen, timeout_s: float) -> 
     return time.monotonic() - start
 
 
-def last_step(run: Path) -> int:
-    """The newest step line's step. Polled often while the run trains, so it reads only
-    the end of metrics.jsonl: parsing the whole file would load the machine under test."""
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    with open(path, "rb") as f:
-        f.seek(max(0, path.stat().st_size - 65536))
-        tail = f.read().decode(errors="replace").splitlines()
-    for line in reversed(tail):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # the partial first line of the tail, or the line being written
-        if "loss/total" in record:
-            return record["step"]
-    return 0
-
-
-def start_run(args, name: str, *overrides: str, resume: bool = False) -> tuple[subprocess.Popen, Path]:
-    run = (args.out / name).resolve()
-    if not resume and run.exists():
-        shutil.rmtree(run)
-    run.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(CONFIG), f"run_dir={run}",
-           f"model.path={args.model_path}", *overrides, *args.set, *(["--resume", str(run)] if resume else [])]
+def start_run(args, name: str, *overrides: str, resume: bool = False) -> tuple[subprocess.Popen, RunDir]:
+    path = (args.out / name).resolve()
+    if not resume and path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(CONFIG), f"run_dir={path}",
+           f"model.path={args.model_path}", *overrides, *args.set, *(["--resume", str(path)] if resume else [])]
     log = open(args.out / f"{name}{'-resume' if resume else ''}.log", "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), run
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), RunDir(path)
 
 
 def finish(proc: subprocess.Popen, timeout_s: float) -> int:
@@ -115,8 +80,8 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> int:
         return proc.wait()
 
 
-def outcome(run: Path, code: int, target: float, max_staleness: int) -> dict:
-    steps, evals = read_lines(run)
+def outcome(run: RunDir, code: int, target: float, max_staleness: int) -> dict:
+    steps, evals = run.steps_and_evals()
     accuracy = evals[-1]["eval/accuracy"] if evals else 0.0
     return {"exit_code": code, "steps": len(steps), "eval_accuracy": accuracy,
             "staleness_max": max((s["staleness/max"] for s in steps), default=0),
@@ -124,10 +89,8 @@ def outcome(run: Path, code: int, target: float, max_staleness: int) -> dict:
             "ok": code == 0 and accuracy >= target and all(s["staleness/max"] <= max_staleness for s in steps)}
 
 
-def config_value(run: Path, dotted: str):
-    import yaml
-
-    node = yaml.safe_load((run / "config.yaml").read_text())
+def config_value(run: RunDir, dotted: str):
+    node = run.config()
     for part in dotted.split("."):
         node = node[part]
     return node
@@ -167,13 +130,15 @@ def hostile_messages(n: int, seed: int = 0) -> list[list[bytes]]:
         elif how == 1 and len(frames) > 1:  # cut, drop or repeat an array frame
             k = rng.randrange(1, len(frames))
             frames[k:k + 1] = rng.choice([[frames[k][:len(frames[k]) // 2]], [], [frames[k], frames[k]]])
-        else:  # a header field or array descriptor set to a wrong type or value
-            header = msgpack.unpackb(frames[0])
-            target = rng.choice(["schema", "kind", "body", "arrays"] if how == 2 else ["body"])
-            if target == "body" and header["body"]:
-                header["body"][rng.choice(list(header["body"]))] = rng.choice(junk)
-            elif target == "arrays" and header["arrays"]:
-                rng.choice(header["arrays"])[rng.choice(["dtype", "shape", "name"])] = rng.choice(junk)
+        else:  # a header value or array reference set to a wrong type or value
+            header = msgpack.unpackb(frames[0])  # {"schema": ..., "message": {"kind": ..., field: value}}
+            message = header["message"]
+            refs = [v for v in message.values() if isinstance(v, dict)]  # arrays: {"dtype", "shape", "frame"}
+            target = rng.choice(["schema", "message", "kind", "array"] if how == 2 else ["field"])
+            if target == "array" and refs:
+                rng.choice(refs)[rng.choice(["dtype", "shape", "frame"])] = rng.choice(junk)
+            elif target in ("field", "kind"):
+                message[rng.choice(list(message)) if target == "field" else "kind"] = rng.choice(junk)
             else:
                 header[target] = rng.choice(junk)
             frames[0] = msgpack.packb(header, strict_types=False)
@@ -194,15 +159,15 @@ def drill_hostile(args) -> dict:
     proc, run = start_run(args, "hostile")
     ctx = zmq.Context()
     try:
-        wait_for("the first training step", lambda: last_step(run) >= 1, proc, args.timeout)
-        ep = endpoints(run)
+        wait_for("the first training step", lambda: run.last_step() >= 1, proc, args.timeout)
+        ep = run.endpoints()
         push, dealer = ctx.socket(zmq.PUSH), ctx.socket(zmq.DEALER)
         for sock, addr in ((push, ep["experience"]), (dealer, ep["hub"])):
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDTIMEO, 5000)
             sock.connect(addr)
         messages = hostile_messages(args.messages)
-        sent_at = last_step(run)
+        sent_at = run.last_step()
         for i, frames in enumerate(messages):
             (push if i % 2 else dealer).send_multipart(frames)
         code = finish(proc, args.timeout)
@@ -210,7 +175,7 @@ def drill_hostile(args) -> dict:
         if proc.poll() is None:
             proc.kill()
         ctx.destroy(linger=1)
-    steps, _ = read_lines(run)
+    steps = run.steps()
     result = {"scenario": "hostile", "messages": len(messages), "sent_at_step": sent_at,
               "wire_rejected": steps[-1]["wire/rejected"] if steps else 0,
               **outcome(run, code, args.target, config_value(run, "max_staleness"))}
@@ -224,27 +189,27 @@ def drill_kill_actor(args) -> dict:
     proc, run = start_run(args, "kill-actor", "actors.count=2", "actors.max_restarts=0")
     newcomer = None
     try:
-        wait_for("two actors and training", lambda: last_step(run) >= args.kill_at
-                 and len((endpoints(run) or {}).get("actors", [])) == 2, proc, args.timeout)
-        victim = endpoints(run)["actors"][0]
-        killed_at = last_step(run)
+        wait_for("two actors and training", lambda: run.last_step() >= args.kill_at
+                 and len((run.endpoints() or {}).get("actors", [])) == 2, proc, args.timeout)
+        victim = run.endpoints()["actors"][0]
+        killed_at = run.last_step()
         os.kill(victim["pid"], signal.SIGKILL)
         detect_s = wait_for("the registry to drop the dead actor",
-                            lambda: len(endpoints(run)["actors"]) == 1, proc, args.timeout)
+                            lambda: len(run.endpoints()["actors"]) == 1, proc, args.timeout)
         wait_for("a step with actors/live == 1",
-                 lambda: any(s["actors/live"] == 1 for s in read_lines(run)[0]), proc, args.timeout)
-        newcomer = subprocess.Popen([sys.executable, "-m", "async_rl.cli", "actor", "--hub", endpoints(run)["hub"],
+                 lambda: any(s["actors/live"] == 1 for s in run.steps()), proc, args.timeout)
+        newcomer = subprocess.Popen([sys.executable, "-m", "async_rl.cli", "actor", "--hub", run.endpoints()["hub"],
                                      "--name", "newcomer"], stdout=open(args.out / "kill-actor-newcomer.log", "w"),
                                     stderr=subprocess.STDOUT, start_new_session=True)
         join_s = wait_for("the new actor in endpoints.json", lambda: newcomer.pid in
-                          [a["pid"] for a in endpoints(run)["actors"]], proc, args.timeout)
+                          [a["pid"] for a in run.endpoints()["actors"]], proc, args.timeout)
         sync_s = join_s + wait_for("the new actor's first weight sync", lambda: " synced to version " in
                                    (args.out / "kill-actor-newcomer.log").read_text(), proc, args.timeout)
-        degraded = [s["step"] for s in read_lines(run)[0] if s["actors/live"] == 1]
-        times = [s["time"] for s in read_lines(run)[0] if s["step"] >= killed_at]
+        degraded = [s["step"] for s in run.steps() if s["actors/live"] == 1]
+        times = [s["time"] for s in run.steps() if s["step"] >= killed_at]
         pause_s = max((b - a for a, b in zip(times, times[1:])), default=float("inf"))
         wait_for("a step with actors/live == 2 after the join", lambda: any(
-            s["actors/live"] == 2 and s["step"] > max(degraded, default=0) for s in read_lines(run)[0]),
+            s["actors/live"] == 2 and s["step"] > max(degraded, default=0) for s in run.steps()),
                  proc, args.timeout)
         code = finish(proc, args.timeout)
         newcomer_code = newcomer.wait(timeout=60)  # the hub says goodbye when the run ends
@@ -253,7 +218,7 @@ def drill_kill_actor(args) -> dict:
             if p is not None and p.poll() is None:
                 p.kill()
     log = (args.out / "kill-actor-newcomer.log").read_text()
-    steps, _ = read_lines(run)
+    steps = run.steps()
     result = {"scenario": "kill-actor", "killed_at_step": killed_at, "detected_after_s": round(detect_s, 1),
               "longest_pause_s": round(pause_s, 2),
               "rejoined_after_s": round(join_s, 1), "newcomer_synced_after_s": round(sync_s, 1),
@@ -275,21 +240,21 @@ def drill_stall_actor(args) -> dict:
     proc, run = start_run(args, "stall-actor", "actors.count=1", f"actors.heartbeat_timeout_s={timeout}",
                           "sync.timeout_s=5")
     try:
-        wait_for("training", lambda: last_step(run) >= args.kill_at and endpoints(run)["actors"], proc, args.timeout)
-        actor = endpoints(run)["actors"][0]
-        stopped_at = last_step(run)
+        wait_for("training", lambda: run.last_step() >= args.kill_at and run.endpoints()["actors"], proc, args.timeout)
+        actor = run.endpoints()["actors"][0]
+        stopped_at = run.last_step()
         os.kill(actor["pid"], signal.SIGSTOP)
-        wait_for("the hub to remove the stopped actor", lambda: not endpoints(run)["actors"], proc, args.timeout)
+        wait_for("the hub to remove the stopped actor", lambda: not run.endpoints()["actors"], proc, args.timeout)
         time.sleep(1.0)
         os.kill(actor["pid"], signal.SIGCONT)
-        back_s = wait_for("training to go on", lambda: last_step(run) > stopped_at + 2, proc, args.timeout)
+        back_s = wait_for("training to go on", lambda: run.last_step() > stopped_at + 2, proc, args.timeout)
         code = finish(proc, args.timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
-    steps, _ = read_lines(run)
+    steps = run.steps()
     result = {"scenario": "stall-actor", "stopped_at_step": stopped_at, "back_after_sigcont_s": round(back_s, 1),
-              "registered_again": "registered again" in (run / "logs" / "actor-0.log").read_text(),
+              "registered_again": "registered again" in (run.logs_dir / "actor-0.log").read_text(),
               "prompts_consumed": steps[-1]["data/prompts_consumed"] if steps else 0,
               **outcome(run, code, args.target, config_value(run, "max_staleness"))}
     result["passed"] = result.pop("ok") and result["registered_again"] and \
@@ -299,13 +264,12 @@ def drill_stall_actor(args) -> dict:
 
 # -- kill-job --------------------------------------------------------------------------
 def drill_kill_job(args) -> dict:
-    from async_rl.checkpoint import latest_checkpoint
     from async_rl.runtime import process_tree
 
     every = args.checkpoint_every
     proc, run = start_run(args, "kill-job", f"checkpoint.every={every}")
     try:
-        wait_for(f"step {args.kill_at}", lambda: last_step(run) >= args.kill_at, proc, args.timeout)
+        wait_for(f"step {args.kill_at}", lambda: run.last_step() >= args.kill_at, proc, args.timeout)
         tree = process_tree(proc.pid)
         for pid in tree:
             os.kill(pid, signal.SIGKILL)
@@ -313,13 +277,13 @@ def drill_kill_job(args) -> dict:
     finally:
         if proc.poll() is None:
             proc.kill()
-    killed_at = last_step(run)
-    checkpoint = latest_checkpoint(run)
+    killed_at = run.last_step()
+    checkpoint = (run.checkpoints() or [None])[-1]
     resumed_from = int(checkpoint.name.split("_")[1]) if checkpoint else 0
     start = time.monotonic()
     proc, _ = start_run(args, "kill-job", f"checkpoint.every={every}", resume=True)
     code = finish(proc, args.timeout)
-    steps, _ = read_lines(run)
+    steps = run.steps()
     result = {"scenario": "kill-job", "killed_processes": len(tree), "killed_at_step": killed_at,
               "resumed_from_step": resumed_from, "steps_lost": killed_at - resumed_from,
               "resume_wall_s": round(time.monotonic() - start, 1),

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "analysis"))
 
-from simulate import measure_run, simulate, stationary, with_actors  # noqa: E402
+from pipeline_model import simulate, stationary, with_actors  # noqa: E402
+from simulate import measure_run  # noqa: E402
 
 CONFIG = ROOT / "configs/demo.yaml"
 

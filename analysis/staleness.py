@@ -30,15 +30,12 @@ import math
 import sys
 from pathlib import Path
 
-from rundata import (Run, add_run_arguments, labels, load_run, pyplot, rolling, save_figure, smoothing_window,
-                     write_plots)
+from figures import add_run_arguments, labels, pyplot, rolling, save_figure, smoothing_window, write_plots
+
+from async_rl.run_dir import Run, load_run, step_staleness_counts
 
 PLOTS = ("staleness_hist.png", "staleness_time.png", "is_ess.png")
 COMPARE = "staleness_compare.png"
-
-
-def count_keys(step: dict) -> dict[int, int]:
-    return {int(k.rsplit("_", 1)[1]): int(v) for k, v in step.items() if k.startswith("staleness/count_")}
 
 
 def stats(run: Run) -> dict:
@@ -85,7 +82,7 @@ def table(rows: list[dict]) -> str:
 # -- plots ----------------------------------------------------------------------------
 def plot_run(run: Run, smooth: int | None) -> list[Path]:
     plt = pyplot()
-    out = run.path / "analysis"
+    out = run.analysis_dir
     bound = run.cfg.get("max_staleness")
     steps = [s["step"] for s in run.steps]
     written = []
@@ -112,7 +109,7 @@ def plot_run(run: Run, smooth: int | None) -> list[Path]:
         print(f"{run.name}: no staleness/count_k keys in metrics.jsonl: no staleness_hist.png", file=sys.stderr)
 
     if steps:
-        per_step = [count_keys(s) for s in run.steps]
+        per_step = [step_staleness_counts(s) for s in run.steps]
         have_dist = any(per_step)
         fig, axes = plt.subplots(2 if have_dist else 1, 1, figsize=(7, 5.5 if have_dist else 3.5), sharex=True,
                                  squeeze=False)
@@ -206,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     def plots():
         written = [p for run in runs for p in plot_run(run, args.smooth)]
         if len(runs) > 1:
-            written.append(plot_compare(runs, (args.out or runs[0].path / "analysis") / COMPARE, args.smooth))
+            written.append(plot_compare(runs, (args.out or runs[0].analysis_dir) / COMPARE, args.smooth))
         return written
 
     print()

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
+from async_rl.run_dir import RunDir, is_eval, is_step
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = {
@@ -42,12 +42,9 @@ RUN_NAME = re.compile(r"^(" + "|".join(LOSSES) + r")-s(\d+)$")
 
 def read_run(run_dir: Path, target: float) -> dict | None:
     """The sweep's figures for one run, from metrics.jsonl; None before its first evaluation."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return None
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    steps = [l for l in lines if "loss/total" in l]
-    evals = [l for l in lines if "eval/accuracy" in l]
+    lines = RunDir(run_dir).metrics()
+    steps = [l for l in lines if is_step(l)]
+    evals = [l for l in lines if is_eval(l)]
     if not evals:
         return None
     return {
@@ -62,9 +59,10 @@ def read_run(run_dir: Path, target: float) -> dict | None:
 
 def finished(run_dir: Path) -> bool:
     # An interrupted run writes final/ too, so also ask for its last step.
-    if not (run_dir / "final").is_dir() or not (run_dir / "config.yaml").exists():
+    run = RunDir(run_dir)
+    if not run.final_dir.is_dir() or not run.config_path.exists():
         return False
-    max_steps = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]["max_steps"]
+    max_steps = run.config()["train"]["max_steps"]
     result = read_run(run_dir, target=1.0)
     return result is not None and result["last_step"] >= max_steps
 

@@ -10,23 +10,21 @@ config.yaml, so the table is reproducible from the run directories alone.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import yaml
+from async_rl.run_dir import RunDir
 
 
 def summarize(run_dir: Path, target: float) -> dict:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    steps = [l for l in lines if "loss/total" in l]
-    evals = [l for l in lines if "eval/accuracy" in l]
+    run = RunDir(run_dir)
+    cfg = run.config()
+    steps, evals = run.steps_and_evals()
     if not steps or not evals:
         raise SystemExit(f"{run_dir}: no training steps or evaluations in metrics.jsonl")
     hit = next((e for e in evals if e["eval/accuracy"] >= target), None)
     return {
-        "run": run_dir.name,
+        "run": run.name,
         "max_staleness": cfg["max_staleness"],
         "steps": steps[-1]["step"],
         "to_target": f"{hit['step']} steps / {hit['time']:.0f} s" if hit else "not reached",

@@ -41,12 +41,12 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import re
 import sys
 from pathlib import Path
 
-from rundata import (Run, add_run_arguments, Span, labels, load_run, pyplot, rolling, save_figure, smoothing_window,
-                     write_plots)
+from figures import add_run_arguments, labels, pyplot, rolling, save_figure, smoothing_window, write_plots
+
+from async_rl.run_dir import Run, TraceSpan, load_run, track_role
 
 COLUMNS = ("generate", "score", "push", "train-step", "eval", "checkpoint", "sync", "wait")
 WAITS = {"learner": "wait-for-data", "actor": "wait-for-admission"}
@@ -88,12 +88,7 @@ def metrics_row(run: Run) -> dict:
 
 
 # -- trace ------------------------------------------------------------------------------
-def role_of(track: str) -> str:
-    """learner, learner-1 -> learner; actor-0 -> actor."""
-    return re.sub(r"-\d+$", "", track)
-
-
-def self_times(spans: list[Span]) -> dict[str, float]:
+def self_times(spans: list[TraceSpan]) -> dict[str, float]:
     """Seconds per span name on one track, each instant counted once, for the innermost
     (latest started; on a tie, shortest) span covering it."""
     bounds = sorted({t for s in spans for t in (s.start_s, s.start_s + s.dur_s)})
@@ -114,25 +109,25 @@ def self_times(spans: list[Span]) -> dict[str, float]:
     return out
 
 
-def without_startup(spans: list[Span]) -> list[Span]:
+def without_startup(spans: list[TraceSpan]) -> list[TraceSpan]:
     """A learner track from its first train-step on: before it, the learner evaluates the
     initial policy and waits for the actors to start (step 1 of the metrics)."""
     first = min((s.start_s for s in spans if s.name == "train-step"), default=None)
     if first is None:
         return spans
-    return [s if s.start_s >= first else Span(s.track, s.name, first, s.start_s + s.dur_s - first, s.args)
+    return [s if s.start_s >= first else TraceSpan(s.track, s.name, first, s.start_s + s.dur_s - first, s.args)
             for s in spans if s.start_s + s.dur_s > first]
 
 
-def track_shares(spans: list[Span], startup: bool = False) -> dict[str, dict]:
+def track_shares(spans: list[TraceSpan], startup: bool = False) -> dict[str, dict]:
     """Per track: {"wall": seconds, "seconds": {span name: self seconds}}; learner tracks
     without their start-up unless `startup`."""
-    tracks: dict[str, list[Span]] = {}
+    tracks: dict[str, list[TraceSpan]] = {}
     for s in spans:
         tracks.setdefault(s.track, []).append(s)
     out = {}
     for track, ss in sorted(tracks.items()):
-        if role_of(track) == "learner" and not startup:
+        if track_role(track) == "learner" and not startup:
             ss = without_startup(ss)
         wall = max(s.start_s + s.dur_s for s in ss) - min(s.start_s for s in ss)
         out[track] = {"wall": wall, "seconds": self_times(ss)}
@@ -145,12 +140,12 @@ def column_of(name: str) -> str:
     return name if name in COLUMNS else "other"
 
 
-def role_shares(spans: list[Span], startup: bool = False) -> dict[str, dict]:
+def role_shares(spans: list[TraceSpan], startup: bool = False) -> dict[str, dict]:
     """Per role: {"tracks": n, "wall": summed wall seconds, "shares": {column: fraction},
     "names": span names seen}; columns are COLUMNS + other + untracked."""
     out: dict[str, dict] = {}
     for track, t in track_shares(spans, startup).items():
-        r = out.setdefault(role_of(track), {"tracks": 0, "wall": 0.0, "seconds": {}, "names": set()})
+        r = out.setdefault(track_role(track), {"tracks": 0, "wall": 0.0, "seconds": {}, "names": set()})
         r["tracks"] += 1
         r["wall"] += t["wall"]
         for name, sec in t["seconds"].items():
@@ -164,10 +159,10 @@ def role_shares(spans: list[Span], startup: bool = False) -> dict[str, dict]:
     return out
 
 
-def actor_idle(spans: list[Span]) -> dict[str, dict]:
+def actor_idle(spans: list[TraceSpan]) -> dict[str, dict]:
     """Per actor track: wall seconds and wait-for-admission share."""
     return {track: {"wall": t["wall"], "idle": t["seconds"].get("wait-for-admission", 0.0) / max(t["wall"], 1e-12)}
-            for track, t in track_shares(spans).items() if role_of(track) == "actor"}
+            for track, t in track_shares(spans).items() if track_role(track) == "actor"}
 
 
 # -- tables -----------------------------------------------------------------------------
@@ -235,10 +230,10 @@ def plot_metrics(run: Run, smooth: int | None) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    return save_figure(plt, fig, run.path / "analysis" / "throughput.png")
+    return save_figure(plt, fig, run.analysis_dir / "throughput.png")
 
 
-def idle_over_time(track: list[Span], wait: str | None, t0: float, t1: float,
+def idle_over_time(track: list[TraceSpan], wait: str | None, t0: float, t1: float,
                    bins: int) -> tuple[list[float], list[float]]:
     """Share of each time bin that the track spends in its `wait` spans, over the part of
     the bin within the track's lifetime (NaN outside it)."""
@@ -291,16 +286,16 @@ def plot_trace(run: Run, startup: bool = False) -> list[Path]:
     ax.invert_yaxis()
     bins = max(10, min(200, int((t1 - t0) / 0.25)))
     for track in tracks:
-        wait = WAITS.get(role_of(track))
+        wait = WAITS.get(track_role(track))
         x, y = idle_over_time([s for s in spans if s.track == track], wait, t0, t1, bins)
         ax2.plot(x, y, label=f"{track} ({wait})")
     ax2.set(title="idle share over time", xlabel="trace time (s)", ylabel="share of time bin", ylim=(0, 1.02))
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize="x-small")
-    written = [save_figure(plt, fig, run.path / "analysis" / "time_shares.png")]
+    written = [save_figure(plt, fig, run.analysis_dir / "time_shares.png")]
 
     # Timeline: about 8 learner steps from the middle of the run.
-    train = sorted((s for s in spans if s.name == "train-step" and role_of(s.track) == "learner"),
+    train = sorted((s for s in spans if s.name == "train-step" and track_role(s.track) == "learner"),
                    key=lambda s: s.start_s)
     if len(train) >= 2:
         mid = max(0, len(train) // 2 - 4)
@@ -320,7 +315,7 @@ def plot_trace(run: Run, startup: bool = False) -> list[Path]:
            title=f"{run.name}: timeline")
     ax.invert_yaxis()
     ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    written.append(save_figure(plt, fig, run.path / "analysis" / "timeline.png"))
+    written.append(save_figure(plt, fig, run.analysis_dir / "timeline.png"))
     return written
 
 
@@ -388,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             if run.trace:
                 written += plot_trace(run, args.include_startup)
         if len(runs) > 1:
-            written.append(plot_compare(runs, (args.out or runs[0].path / "analysis") / "throughput_compare.png",
+            written.append(plot_compare(runs, (args.out or runs[0].analysis_dir) / "throughput_compare.png",
                                         args.smooth))
         return written
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 import msgpack
+import msgspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -170,46 +171,65 @@ def load_checkpoint(path: Path, parts: Parts) -> dict:
     return saved
 
 
+class _BufferRecord(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """One buffered group in the buffer file: ``[index, version, frames]``, the message
+    in its wire encoding."""
+
+    index: int  # admission index
+    version: int
+    frames: list[memoryview]  # decoded as views of the record's bytes, no copy
+
+
+_RECORD_DECODER = msgspec.msgpack.Decoder(_BufferRecord)
+
+
 def write_groups(path: Path, groups: list[tuple[int, int, object]]) -> None:
     """Stream (admission index, version, message) records to `path`, each message in
     its wire encoding: the same validating decoder reads them back, nothing is pickled."""
     from .transport import encode
 
-    packer = msgpack.Packer()
+    encoder = msgspec.msgpack.Encoder()
     with open(path, "wb") as out:
         for index, version, msg in groups:
-            out.write(packer.pack([index, version, [bytes(f) for f in encode(msg)]]))
+            out.write(encoder.encode(_BufferRecord(index, version, encode(msg))))
 
 
 def read_groups(path: Path) -> list[tuple[int, int, object]]:
     """The records of a write_groups file, all of them or an error: CheckpointError when
-    the file is missing, truncated or not a sequence of records (the unpacker alone stops
-    quietly at a truncated tail), WireError when a record's message does not validate."""
+    the file is missing, truncated or not a sequence of records, WireError when a
+    record's message does not validate."""
     from .transport import WireError, WireLimits, decode
 
     limits = WireLimits()
     groups = []
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            unpacker = msgpack.Unpacker(f, max_buffer_size=limits.max_message_bytes + 2**20)
-            for record in unpacker:
-                if not (type(record) is list and len(record) == 3 and type(record[0]) is int
-                        and type(record[1]) is int and type(record[2]) is list):
-                    raise CheckpointError(f"{path.name}: record {len(groups)} is not [index, version, frames]")
-                index, version, frames = record
+            size, start = os.fstat(f.fileno()).st_size, 0
+            # msgspec decodes one whole object: msgpack's streaming unpacker only finds
+            # where each record ends (skipping it unread), msgspec then reads it strictly.
+            splitter = msgpack.Unpacker(f, max_buffer_size=limits.max_message_bytes + 2**20)
+            while start < size:
                 try:
-                    groups.append((index, version, decode(frames, limits)))
+                    splitter.skip()
+                except msgpack.OutOfData:
+                    raise CheckpointError(f"{path.name}: truncated after {len(groups)} records "
+                                          f"({size - start} trailing bytes of {size})") from None
+                end = splitter.tell()
+                try:
+                    record = _RECORD_DECODER.decode(os.pread(f.fileno(), end - start, start))
+                except msgspec.ValidationError:
+                    raise CheckpointError(f"{path.name}: record {len(groups)} is not [index, version, frames]"
+                                          ) from None
+                try:
+                    groups.append((record.index, record.version, decode(record.frames, limits)))
                 except WireError as err:
                     raise WireError(err.reason, f"{path.name} record {len(groups)}: {err.detail}") from None
-            if unpacker.tell() != size:
-                raise CheckpointError(f"{path.name}: truncated after {len(groups)} records "
-                                      f"({size - unpacker.tell()} trailing bytes of {size})")
-    except CheckpointError:
+                start = end
+    except (CheckpointError, WireError):
         raise
     except OSError as err:
         raise CheckpointError(f"{path.name}: unreadable ({err.strerror or err})") from None
-    except (msgpack.UnpackException, ValueError) as err:
+    except (msgpack.UnpackException, msgspec.DecodeError, ValueError) as err:  # ValueError: also bad UTF-8
         raise CheckpointError(f"{path.name}: garbled after {len(groups)} records ({type(err).__name__})") from None
     return groups
 

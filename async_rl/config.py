@@ -14,6 +14,15 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .algorithms import ADVANTAGES, AGG_MODES, IS_MODES, KL_KINDS, LOSSES
+
+# Choices generated from the algorithm registries: a new entry there is a valid value here.
+LossName = Literal[tuple(LOSSES)]
+AdvantageName = Literal[tuple(ADVANTAGES)]
+AggMode = Literal[AGG_MODES]
+ISMode = Literal[IS_MODES]
+KLKind = Literal[KL_KINDS]
+
 
 class ConfigError(ValueError):
     """A bad config: the message is one line that names the key."""
@@ -79,7 +88,7 @@ class PPOConfig(_Section):
     eps_low: float = Field(0.2, ge=0.0, description="PPO clip range below 1.")
     eps_high: float = Field(0.2, ge=0.0, description="PPO clip range above 1 (eps_high > eps_low = clip-higher).")
     is_cap: float = Field(2.0, gt=0.0, description="Decoupled PPO: cap on the behavior importance weight exp(logp_prox - logp_behav).")
-    is_mode: Literal["truncate", "mask"] = Field("truncate", description="Decoupled PPO: what happens to a token whose importance weight exceeds is_cap: `truncate` = its weight becomes is_cap; `mask` = it is dropped from the loss (weight 0, still counted in the normalization, as AReaL's behav_imp_weight_cap). Either way counted in is/capped_frac.")
+    is_mode: ISMode = Field("truncate", description="Decoupled PPO: what happens to a token whose importance weight exceeds is_cap: `truncate` = its weight becomes is_cap; `mask` = it is dropped from the loss (weight 0, still counted in the normalization, as AReaL's behav_imp_weight_cap). Either way counted in is/capped_frac.")
     log_ratio_clamp: float = Field(20.0, gt=0.0, description="Log-ratios (policy/proximal and proximal/behavior) are clamped to +-this before exp, so one extreme token cannot give a huge loss or gradient (verl clamps at 20); the gradient is 0 outside.")
     decoupled: bool = Field(True, description="Decoupled PPO (proximal policy + IS weight, AReaL) vs naive PPO against the behavior policy.")
     dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c > 1: for negative advantages the objective is bounded below by c*A (null = off).")
@@ -92,7 +101,7 @@ class OPMDConfig(_Section):
 
 class KLConfig(_Section):
     coef: float = Field(0.0, ge=0.0, description="Weight of the KL to the frozen initial (reference) policy; 0 = no reference model.")
-    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Schulman's per-token KL estimator.")
+    estimator: KLKind = Field("k3", description="Schulman's per-token KL estimator.")
     mode: Literal["loss", "reward"] = Field("loss", description="`loss`: coef*KL added to the loss (GRPO); `reward`: -coef*KL per token in the reward (REINFORCE++/RLHF), computed on the behavior log-probs.")
     clamp: float | None = Field(10.0, gt=0.0, description="Per-token KL estimates are clamped to +-this before entering the loss or reward (verl and OpenRLHF clamp at 10); the gradient is 0 outside; null = unclamped.")
 
@@ -113,12 +122,12 @@ class TrainConfig(_Section):
     max_steps: int = Field(60, ge=1, description="Learner steps (= final policy version); each makes train.minibatches optimizer steps.")
     batch_groups: int = Field(64, ge=1, description="Prompt groups consumed per learner step.")
     group_size: int = Field(8, ge=1, description="Responses sampled per prompt (G).")
-    loss: Literal["ppo", "opmd"] = Field("ppo", description="Policy loss.")
-    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "remax", "gae"] = Field("grpo", description="Advantage estimator for `ppo` (`opmd` uses rewards directly): group-relative `grpo`/`drgrpo`/`rloo`, `reinforce_pp` (global whitening), `remax` (greedy baseline, actors generate it), `gae` (critic).")
+    loss: LossName = Field("ppo", description="Policy loss.")
+    advantage: AdvantageName = Field("grpo", description="Advantage estimator for `ppo` (`opmd` uses rewards directly): group-relative `grpo`/`drgrpo`/`rloo`, `reinforce_pp` (global whitening), `remax` (greedy baseline, actors generate it), `gae` (critic).")
     minibatches: int = Field(1, ge=1, description="Optimizer steps per learner step, each on a disjoint slice of the batch; > 1 adds a no-grad proximal forward (the policy at the start of the step).")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount over response tokens (reinforce_pp, gae).")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (entropy is logged either way).")
-    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("token-mean", description="Loss aggregation over tokens.")
+    agg: AggMode = Field("token-mean", description="Loss aggregation over tokens.")
     lr: float = Field(5e-4, gt=0.0, description="AdamW peak learning rate.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="Learning-rate decay over train.max_steps, after warmup.")
     lr_min_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final learning rate as a fraction of train.lr (cosine/linear).")

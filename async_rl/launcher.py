@@ -14,7 +14,6 @@ error, 1 when the learner failed.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -30,8 +29,8 @@ from pydantic import ValidationError
 from .checkpoint import latest_intact_checkpoint
 from .config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
 from .run_lock import RunLock
-from .runtime import (LAUNCHER_ENV, child_of, make_prompt_format, make_task_from_config, read_status,
-                      resolve_device)
+from .run_dir import RunDir
+from .runtime import LAUNCHER_ENV, child_of, make_prompt_format, make_task_from_config, resolve_device
 
 log = logging.getLogger("async_rl.launch")
 GRACE_S = 30.0
@@ -187,14 +186,14 @@ def prepare(cfg: Config, resume: str | None = None) -> tuple[Path, Path | None, 
 
 def _wait_for_hub(run_dir: Path, learner: subprocess.Popen, timeout_s: float, stopping=lambda: False) -> str:
     deadline = time.monotonic() + timeout_s
-    path = run_dir / "endpoints.json"
     while time.monotonic() < deadline:
         if stopping():
             raise RuntimeError("interrupted while the learner was starting")
         if learner.poll() is not None:
             raise RuntimeError(f"the learner exited with status {learner.returncode} before starting its hub")
-        if path.exists():
-            return json.loads(path.read_text())["hub"]
+        endpoints = RunDir(run_dir).endpoints()
+        if endpoints is not None:
+            return endpoints["hub"]
         time.sleep(0.1)
     raise RuntimeError(f"the learner's hub did not come up within {timeout_s:.0f}s")
 
@@ -320,7 +319,7 @@ def train(cfg: Config, resume: str | None = None) -> int:
             signal.signal(s, handler)
         lock.release()
     print_summary(run_dir)
-    status = read_status(run_dir)
+    status = RunDir(run_dir).status()
     if stop_signal:
         return 128 + stop_signal
     if learner.returncode == 0 and status and status["exit_code"]:

@@ -17,6 +17,8 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from .run_dir import RunDir
+
 # Keys every step line carries (DESIGN.md contract); tests check them against this list.
 STEP_KEYS = (
     "step", "version", "time", "train/reward_mean", "train/samples", "loss/total",
@@ -115,25 +117,6 @@ def generations_table(groups: Sequence[Any], prompt_format, rows: int = GENERATI
     return "\n".join(lines)
 
 
-def truncate_after(path: Path, step: int) -> None:
-    """Keep the lines a run resumed at `step` will not write again: step lines up to
-    `step`, evaluation lines before it (the resumed run evaluates at `step` first)."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # the line a killed run was writing
-        limit = step if "loss/total" in record else step - 1
-        if record.get("step", 0) <= limit:
-            kept.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    tmp.replace(path)
-
-
 class MetricsLogger:
     def __init__(self, run_dir: Path, total_steps: int, *, resume_step: int = 0, elapsed: float = 0.0):
         """`resume_step`/`elapsed`: where a resumed run continues; later lines of the
@@ -142,8 +125,8 @@ class MetricsLogger:
 
         self.start = time.time() - elapsed
         if resume_step:
-            truncate_after(run_dir / "metrics.jsonl", resume_step)
-        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+            RunDir(run_dir).truncate_metrics(resume_step)
+        self._file = open(RunDir(run_dir).metrics_path, "a", buffering=1)
         # purge_step hides the stopped run's TensorBoard events after the checkpoint.
         self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
         self._tb.add_custom_scalars(CUSTOM_SCALARS)

@@ -13,7 +13,7 @@ mask. transformers 5 (`masking_utils.find_packed_sequence_indices`, called from
 the restarts as sequence boundaries and builds a block-diagonal causal mask for
 sdpa/eager; flash-attention's varlen path reads the same position_ids. So each
 token sees exactly the prefix it sees in the padded forward, and RoPE gets the same
-positions: log-probs agree to float rounding (tests/test_learner_efficiency.py).
+positions: log-probs agree to float rounding (tests/unit/test_packing.py).
 
 Row capacity. sdpa and eager materialize that mask and do not skip the masked
 blocks, so a packed row of C tokens costs O(C^2) attention however many sequences it

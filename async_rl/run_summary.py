@@ -2,8 +2,9 @@
 alone (so it is also right for a resumed run, whose file holds every step once)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from .run_dir import RunDir, staleness_counts
 
 
 def _mean(values: list[float]) -> float:
@@ -11,29 +12,17 @@ def _mean(values: list[float]) -> float:
 
 
 def summary_lines(run_dir: Path) -> list[str]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    lines = []
-    for line in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(line))
-        except ValueError:
-            pass
-    steps = [l for l in lines if "loss/total" in l]
+    run = RunDir(run_dir)
+    steps, evals = run.steps_and_evals()
     # Evaluation lines arrive when the actors finish a round, possibly after later steps.
-    evals = sorted((l for l in lines if "eval/accuracy" in l), key=lambda l: l["step"])
+    evals = sorted(evals, key=lambda l: l["step"])
     if not steps:
         return []
     last = steps[-1]
     wall = max(last["time"], 1e-9)
-    counts: dict[int, int] = {}
-    for s in steps:
-        for key, value in s.items():
-            if key.startswith("staleness/count_"):
-                counts[int(key.rsplit("_", 1)[1])] = counts.get(int(key.rsplit("_", 1)[1]), 0) + value
+    counts = staleness_counts(steps)
     total = sum(counts.values()) or 1
-    histogram = " ".join(f"{k}:{100 * n / total:.0f}%" for k, n in sorted(counts.items()))
+    histogram = " ".join(f"{k}:{100 * n / total:.0f}%" for k, n in counts.items())
     ess = [s["is/ess"] for s in steps if s.get("is/ess") is not None]
     gen = [s["actors/gen_tokens_per_s"] for s in steps if s.get("actors/gen_tokens_per_s")]
     rows = [
@@ -63,8 +52,8 @@ def summary_lines(run_dir: Path) -> list[str]:
     if evals:
         rows.append(("eval", f"accuracy {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "
                              f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})"))
-    final = run_dir / "final" / "model.safetensors"
-    model = f"model {final.parent}" if final.exists() else "no final model (the learner did not get to write it)"
-    rows.append(("outputs", f"{model}; tensorboard --logdir {run_dir / 'tb'}"))
+    final = run.final_model()
+    model = f"model {final}" if final else "no final model (the learner did not get to write it)"
+    rows.append(("outputs", f"{model}; tensorboard --logdir {run.tensorboard_dir}"))
     width = max(len(name) for name, _ in rows)
     return [f"async-rl: {name:<{width}}  {text}" for name, text in rows]

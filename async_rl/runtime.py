@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .config import Config
+from .run_dir import STATUS_FILE
 
 
 def quiet_libraries() -> None:
@@ -84,24 +85,17 @@ EXIT_CONFIG = 2  # a config error found only once running (e.g. every prompt ove
 EXIT_NONFINITE = 3  # `async-rl train` status after repeated non-finite steps
 EXIT_REWARD_ERRORS = 4  # ... after a step with too many samples scored reward.fallback
 EXIT_STALLED = 5  # no experience for learner.timeout_s (every actor gone)
-STATUS_FILE = "status.json"
 # Set by `async-rl train` for the learner world: it holds the run directory's lock and
 # prints a failure's one console line itself.
 LAUNCHER_ENV = "ASYNC_RL_LAUNCHER"
 
 
 def write_status(run_dir: Path, exit_code: int, reason: str) -> None:
-    """How the learner ended, for the launcher: {"exit_code": int, "reason": str}."""
+    """How the learner ended, for the launcher (RunDir.status reads it): {"exit_code": int,
+    "reason": str}."""
     tmp = run_dir / (STATUS_FILE + ".tmp")
     tmp.write_text(json.dumps({"exit_code": exit_code, "reason": reason}))
     os.replace(tmp, run_dir / STATUS_FILE)
-
-
-def read_status(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((run_dir / STATUS_FILE).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def process_tree(pid: int) -> list[int]:

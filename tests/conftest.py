@@ -1,5 +1,4 @@
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from async_rl.run_dir import RunDir
 from async_rl.transport import RejectCounter, WireLimits, recv, send
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,9 +97,9 @@ def train(run_dir: Path, model: Path, *overrides: str, timeout: int = 240) -> su
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(step lines, evaluation lines) of a run's metrics.jsonl."""
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [l for l in lines if "loss/total" in l], [l for l in lines if "eval/accuracy" in l]
+    """(step lines, evaluation lines) of a finished run's metrics.jsonl: every line must
+    be a whole JSON object."""
+    return RunDir(run_dir).steps_and_evals(strict=True)
 
 
 @contextlib.contextmanager
@@ -210,3 +210,54 @@ def wait_for(pred, timeout=5.0):
     while not pred() and time.time() < deadline:
         time.sleep(0.01)
     return pred()
+
+
+def truncate_half(path: Path) -> None:
+    """Damage a file: keep its first half (a write cut short)."""
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_one_bit(path: Path) -> None:
+    """Damage a file: same size, one bit off in the middle (bit-rot)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def load_analysis(name: str):
+    """Import analysis/NAME.py (the scripts are not a package) under its own module
+    name: dataclasses look their module up, and scripts import their siblings by name."""
+    import importlib.util
+
+    if str(ROOT / "analysis") not in sys.path:
+        sys.path.insert(0, str(ROOT / "analysis"))  # as when the script runs
+    spec = importlib.util.spec_from_file_location(name, ROOT / "analysis" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_tensorboard(tb_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"histograms": 0, "tensors": 0, "scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def layout_categories(acc) -> list[str]:
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    assert "custom_scalars__config__" in acc.PluginTagToContent("custom_scalars")
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    return [c.title for c in layout.category]
+
+
+def text_at(acc, step: int) -> str:
+    from async_rl.metrics import GENERATIONS_TAG
+
+    events = [e for e in acc.Tensors(f"{GENERATIONS_TAG}/text_summary") if e.step == step]
+    assert len(events) == 1
+    return events[0].tensor_proto.string_val[0].decode()

@@ -3,8 +3,10 @@ rejected for: shared by the wire, tracing and hostile-traffic tests."""
 
 import msgpack
 import numpy as np
+from msgspec.structs import replace
 
 from async_rl.transport import (
+    SCHEMA,
     EvalGrant,
     EvalResult,
     ExperienceGroup,
@@ -55,7 +57,7 @@ SAMPLES = [
     Heartbeat(actor_id=3, version=8, generated_groups=100, peak_rss_mb=812.5),
     Goodbye(reason="shutdown"),
     make_group(),
-    ExperienceGroup(**{**make_group().__dict__, "greedy_reward": 1.0}),
+    replace(make_group(), greedy_reward=1.0),
     EvalGrant(round=3, version=7, prompt_ids=[2**48, 2**48 + 1]),
     EvalResult(actor_id=3, round=3, version=7, prompt_ids=[2**48, 2**48 + 1], rewards=np.array([[1.0], [0.0]], np.float32),
                response_lengths=np.array([[3], [8]], np.int32), truncated=np.array([[0], [1]], np.uint8)),
@@ -76,7 +78,7 @@ def make_spans(n: int = 3, **changes) -> TraceSpans:
 SAMPLES += [make_spans(), make_spans(0, dropped=7)]
 # Failed reward calls (per reward_guard.REASONS) travel with experience and eval results.
 SAMPLES += [
-    ExperienceGroup(**{**make_group().__dict__, "reward_errors": [1, 0, 2, 1]}),
+    replace(make_group(), reward_errors=[1, 0, 2, 1]),
     EvalResult(actor_id=3, round=3, version=7, prompt_ids=[2**48], rewards=np.array([[0.0, 1.0]], np.float32),
                response_lengths=np.array([[3, 8]], np.int32), truncated=np.array([[0, 1]], np.uint8),
                reward_errors=[0, 1, 0, 1]),
@@ -85,8 +87,8 @@ SAMPLES += [
 
 def assert_same(a, b) -> None:
     assert type(a) is type(b)
-    for name, x in a.__dict__.items():
-        y = b.__dict__[name]
+    for name in a.__struct_fields__:
+        x, y = getattr(a, name), getattr(b, name)
         if isinstance(x, np.ndarray):
             assert x.dtype == y.dtype and x.shape == y.shape
             assert x.tobytes() == y.tobytes()  # bit-identical
@@ -99,24 +101,29 @@ def assert_same(a, b) -> None:
 
 def _header_edit(msg, edit, frames_edit=None):
     frames = [bytes(f) for f in encode(msg)]
-    header = msgpack.unpackb(frames[0])
+    header = msgpack.unpackb(frames[0])  # {"schema": SCHEMA, "message": {"kind": ..., fields}}
     edit(header)
     frames[0] = msgpack.packb(header)
     return frames_edit(frames) if frames_edit else frames
 
 
 def _body(**changes):
-    return lambda h: h["body"].update(changes)
+    return lambda h: h["message"].update(changes)
 
 
 def _array(array_name, **changes):
+    """Edit the array reference {"dtype", "shape", "frame"} of field `array_name`."""
+    return lambda h: h["message"][array_name].update(changes)
+
+
+def _rename(old, new):
     def edit(h):
-        next(a for a in h["arrays"] if a["name"] == array_name).update(changes)
+        h["message"][new] = h["message"].pop(old)
     return edit
 
 
 def _group(**changes):
-    return ExperienceGroup(**{**make_group().__dict__, **changes})
+    return replace(make_group(), **changes)
 
 
 def _nan_logprobs():
@@ -140,11 +147,16 @@ CASES = {
     "int_key": ([msgpack.packb({1: 1}, strict_types=False)], "not_msgpack"),
     "ext_type": ([msgpack.packb(msgpack.ExtType(5, b"xx"))], "not_msgpack"),
     "no_frames": ([], "frame_count"),
-    "wrong_schema": (_header_edit(HELLO, lambda h: h.update(schema=2)), "bad_schema"),
+    "wrong_schema": (_header_edit(HELLO, lambda h: h.update(schema=SCHEMA + 1)), "bad_schema"),
+    "schema_1_layout": ([msgpack.packb({"schema": 1, "kind": "hello", "body": {}, "arrays": []})], "bad_schema"),
     "bool_schema": (_header_edit(HELLO, lambda h: h.update(schema=True)), "bad_schema"),
     "extra_header_key": (_header_edit(HELLO, lambda h: h.update(x=1)), "bad_header"),
-    "unknown_kind": (_header_edit(HELLO, lambda h: h.update(kind="pickle")), "unknown_kind"),
-    "missing_field": (_header_edit(HELLO, lambda h: h["body"].pop("pid")), "missing_field"),
+    "missing_message": (_header_edit(HELLO, lambda h: h.pop("message")), "bad_header"),
+    "message_not_a_map": (_header_edit(HELLO, lambda h: h.update(message=[1, 2])), "bad_header"),
+    "missing_kind": (_header_edit(HELLO, lambda h: h["message"].pop("kind")), "bad_header"),
+    "unknown_kind": (_header_edit(HELLO, _body(kind="pickle")), "unknown_kind"),
+    "int_kind": (_header_edit(HELLO, _body(kind=5)), "unknown_kind"),
+    "missing_field": (_header_edit(HELLO, lambda h: h["message"].pop("pid")), "missing_field"),
     "unknown_field": (_header_edit(HELLO, _body(extra=1)), "unknown_field"),
     "str_for_int": (_header_edit(HELLO, _body(pid="7")), "bad_field_type"),
     "bool_for_int": (_header_edit(HELLO, _body(pid=True)), "bad_field_type"),
@@ -153,6 +165,8 @@ CASES = {
     "negative_pid": (_header_edit(HELLO, _body(pid=-1)), "bad_value"),
     "huge_int": (_header_edit(HELLO, _body(pid=2**64 - 1)), "bad_value"),
     "nan_float": (_header_edit(Wait(1.0), _body(seconds=float("nan"))), "non_finite"),
+    "inf_float": (_header_edit(make_group(), _body(greedy_reward=float("-inf"))), "non_finite"),
+    "negative_float": (_header_edit(Wait(1.0), _body(seconds=-0.5)), "bad_value"),
     "grant_lengths": (_header_edit(SAMPLES[3], _body(prompt_ids=[5])), "shape_mismatch"),
     "grant_list_type": (_header_edit(SAMPLES[3], _body(groups=[1, "2"])), "bad_field_type"),
     "rank_ge_world": (_header_edit(SAMPLES[5], _body(rank=3)), "bad_value"),
@@ -162,9 +176,14 @@ CASES = {
     "ndim_3": (_header_edit(make_group(), _array("logprobs", shape=[4, 6, 1])), "bad_shape"),
     "negative_dim": (_header_edit(make_group(), _array("rewards", shape=[-4])), "bad_shape"),
     "dim_too_large": (_header_edit(make_group(), _array("prompt_tokens", shape=[1 << 21])), "too_large"),
-    "unknown_array": (_header_edit(make_group(), _array("rewards", name="mask")), "unknown_field"),
+    "bad_array_ref": (_header_edit(make_group(), _array("rewards", name="mask")), "bad_header"),
+    "array_ref_not_a_map": (_header_edit(make_group(), _body(rewards=[5])), "bad_header"),
+    "unknown_array": (_header_edit(make_group(), _rename("rewards", "mask")), "unknown_field"),
     "frame_count": (_header_edit(make_group(), lambda h: None, lambda f: f[:-1]), "frame_count"),
-    "missing_array": (_header_edit(make_group(), lambda h: h["arrays"].pop(),
+    "extra_frame": (_header_edit(make_group(), lambda h: None, lambda f: [*f, f[-1]]), "frame_count"),
+    "frame_named_twice": (_header_edit(make_group(), _array("rewards", frame=1)), "frame_count"),
+    "frame_zero": (_header_edit(make_group(), _array("rewards", frame=0)), "frame_count"),
+    "missing_array": (_header_edit(make_group(), lambda h: h["message"].pop("truncated"),
                                    lambda f: f[:-1]), "missing_field"),
     "frame_length": (_header_edit(make_group(), lambda h: None,
                                   lambda f: [f[0], f[1][:-4], *f[2:]]), "shape_mismatch"),
@@ -185,13 +204,14 @@ CASES = {
     "spans_beyond_2_53": (encode(make_spans(start_us=np.full(3, 1 << 60, np.int64))), "bad_value"),
     "spans_arg_below_minus_1": (encode(make_spans(args=np.full((3, 3), -2, np.int64))), "bad_value"),
     "spans_too_many": (encode(make_spans(1025)), "too_large"),
-    "spans_int32_times": (_header_edit(make_spans(), _array("start_us", dtype="int32")), "bad_dtype"),
+    "spans_int32_times": (_header_edit(make_spans(), _array("start_us", dtype="int32"),  # int32 bytes too
+                                       lambda f: [f[0], make_spans().start_us.astype("<i4").tobytes(), *f[2:]]),
+                          "bad_dtype"),
     "spans_negative_dropped": (_header_edit(make_spans(), _body(dropped=-1)), "bad_value"),
-    "empty_group": (encode(ExperienceGroup(**{
-        **make_group().__dict__, "response_tokens": np.zeros((0, 6), np.int32),
-        "response_lengths": np.zeros(0, np.int32), "logprobs": np.zeros((0, 6), np.float32),
-        "token_versions": np.zeros((0, 6), np.int32), "rewards": np.zeros(0, np.float32),
-        "truncated": np.zeros(0, np.uint8)})), "bad_value"),
+    "empty_group": (encode(_group(
+        response_tokens=np.zeros((0, 6), np.int32), response_lengths=np.zeros(0, np.int32),
+        logprobs=np.zeros((0, 6), np.float32), token_versions=np.zeros((0, 6), np.int32),
+        rewards=np.zeros(0, np.float32), truncated=np.zeros(0, np.uint8))), "bad_value"),
     "truncated_not_0_or_1": (encode(_group(truncated=np.full(4, 2, np.uint8))), "bad_value"),
     "eval_result_shapes": (encode(EvalResult(actor_id=3, round=0, version=0, prompt_ids=[1, 2],
                                              rewards=np.zeros((2, 1), np.float32),
@@ -201,7 +221,7 @@ CASES = {
     "reward_errors_negative": (_header_edit(make_group(), _body(reward_errors=[-1, 0, 0, 0])), "bad_value"),
     "reward_errors_float": (_header_edit(make_group(), _body(reward_errors=[0.5, 0, 0, 0])), "bad_field_type"),
     "reward_errors_above_samples": (encode(_group(reward_errors=[3, 0, 2, 0])), "bad_value"),
-    "eval_reward_errors_above_samples": (encode(EvalResult(**{**SAMPLES[-1].__dict__, "reward_errors": [0, 3, 0, 0]})),
+    "eval_reward_errors_above_samples": (encode(replace(SAMPLES[-1], reward_errors=[0, 3, 0, 0])),
                                          "bad_value"),
 }
 

@@ -1,27 +1,57 @@
-"""Loss functions and advantage estimators (see DESIGN.md, "Losses (notation)")."""
+"""Loss functions and advantage estimators (see DESIGN.md, "Losses (notation)"), the
+registries the config names them by (`LOSSES`, `ADVANTAGES`), and how the learner
+turns micro-batch means into global ones (normalization.py, step_metrics.py)."""
 
-from .advantages import (ADVANTAGE_METHODS, discounted_returns, group_advantages, masked_whiten,
-                         reinforce_pp_advantages, remax_advantages, token_rewards)
+from .advantages import (ADVANTAGES, GROUP_METHODS, AdvantageEstimator, AdvantageInputs, Advantages,
+                         discounted_returns, group_advantages, masked_whiten, reinforce_pp_advantages,
+                         remax_advantages, token_rewards)
 from .aggregation import AGG_MODES, agg_denominator, aggregate
 from .entropy import token_entropy
 from .gae import gae_advantages, value_loss
+from .importance import EffectiveSampleSize, importance_weights, off_policy_figures
 from .kl import KL_KINDS, kl_estimate
+from .losses import CLIP_FRACTIONS, LOSSES, OPMD, LossInputs, LossOutput, PolicyLoss, PPOClip
+from .normalization import ReduceSum, Shares, Units, backward_share, global_units
 from .opmd import opmd_loss
 from .overlong import overlong_filter, overlong_penalty
 from .ppo import IS_MODES, ppo_clip_loss
+from .step_metrics import Count, Figure, Mean, StepMetrics
 
 __all__ = [
-    "ADVANTAGE_METHODS",
+    "ADVANTAGES",
     "AGG_MODES",
+    "CLIP_FRACTIONS",
+    "GROUP_METHODS",
     "IS_MODES",
     "KL_KINDS",
+    "LOSSES",
+    "OPMD",
+    "AdvantageEstimator",
+    "AdvantageInputs",
+    "Advantages",
+    "Count",
+    "EffectiveSampleSize",
+    "Figure",
+    "LossInputs",
+    "LossOutput",
+    "Mean",
+    "PPOClip",
+    "PolicyLoss",
+    "ReduceSum",
+    "Shares",
+    "StepMetrics",
+    "Units",
     "agg_denominator",
     "aggregate",
+    "backward_share",
     "discounted_returns",
     "gae_advantages",
+    "global_units",
     "group_advantages",
+    "importance_weights",
     "kl_estimate",
     "masked_whiten",
+    "off_policy_figures",
     "opmd_loss",
     "overlong_filter",
     "overlong_penalty",

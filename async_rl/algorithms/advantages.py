@@ -1,17 +1,26 @@
-"""Critic-free advantage estimators.
+"""Advantage estimators, and `ADVANTAGES`: the ones `train.advantage` can name.
 
 All group statistics use `torch.unique(..., return_inverse=True)` + `index_add`,
 so group ids may be arbitrary integers in any order and no Python loop runs over
 groups. Advantages are constants for the policy gradient, so outputs are detached.
+Every registry entry has one call shape, `AdvantageInputs -> Advantages`; adding an
+entry adds a valid `train.advantage` value.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-ADVANTAGE_METHODS: tuple[str, ...] = ("grpo", "drgrpo", "rloo")
+from .gae import gae_advantages
+from .normalization import ReduceSum
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
+
+GROUP_METHODS: tuple[str, ...] = ("grpo", "drgrpo", "rloo")
 _STD_EPS = 1e-6
 
 
@@ -31,8 +40,8 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, *, method: str)
               estimator unbiased (Ahmadian et al., arXiv 2402.14740; Kool et al. 2019).
     A group of one has no baseline to compare against: its advantage is 0.
     """
-    if method not in ADVANTAGE_METHODS:
-        expected = ", ".join(ADVANTAGE_METHODS)
+    if method not in GROUP_METHODS:
+        expected = ", ".join(GROUP_METHODS)
         raise ValueError(f"unknown advantage method {method!r}; expected one of {expected}")
     r = _float(rewards)
     _, gid, counts = torch.unique(group, return_inverse=True, return_counts=True)
@@ -48,9 +57,6 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, *, method: str)
     sq = torch.zeros(counts.numel(), dtype=r.dtype, device=r.device).index_add(0, gid, centered.square())[gid]
     std = (sq / (n - 1).clamp(min=1)).sqrt()
     return centered / (std + _STD_EPS)
-
-
-ReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
 
 def token_rewards(
@@ -71,9 +77,8 @@ def token_rewards(
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, reduce_sum: ReduceSum | None = None) -> torch.Tensor:
     """(x - mean) / (std + 1e-6) over the response tokens of the whole batch (unbiased
-    std); padded positions are 0, the result has x's dtype. `reduce_sum` sums a tensor
-    over all learner ranks (e.g. an all_reduce), so the statistics are those of the
-    global batch, not of one rank's shard."""
+    std); padded positions are 0, the result has x's dtype. With `reduce_sum` the
+    statistics are those of the global batch, not of one rank's shard."""
     m = mask.bool()
     # float64 moments: var = (sum x^2 - n mean^2) / (n - 1) cancels catastrophically in
     # float32 once mean/std is in the thousands (rewards 1e4 +- 5 gave var = 0 and
@@ -128,3 +133,70 @@ def remax_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor) -> tor
     """ReMax (Li et al., arXiv 2310.10505): the greedy response's reward for the
     same prompt is the baseline; `greedy_rewards` is already expanded to `[B]`."""
     return _float(rewards) - _float(greedy_rewards)
+
+
+# ---------------------------------------------------------------- the registry
+
+
+@dataclass
+class AdvantageInputs:
+    """A rank's batch (whole groups); token tensors are `[B, T]`, per-response ones `[B]`."""
+
+    rewards: torch.Tensor  # task reward of each response
+    mask: torch.Tensor  # response tokens
+    group: torch.Tensor  # prompt group ids
+    baselines: torch.Tensor  # reward of the prompt's greedy response (remax), NaN otherwise
+    train: TrainConfig  # gamma, critic.lam, kl.coef
+    # With train.kl.mode=reward: KL(behavior || reference) per response token, 0 elsewhere.
+    kl: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # the critic's values (gae)
+    reduce_sum: ReduceSum | None = None  # sums over the learner ranks, for whitening over the global batch
+
+    def sequence_rewards(self) -> torch.Tensor:
+        """Rewards less the KL penalty summed over each response: what the sequence-level
+        estimators, and OPMD, see."""
+        if self.kl is None:
+            return self.rewards
+        return self.rewards - self.train.kl.coef * self.kl.sum(dim=-1)
+
+
+@dataclass
+class Advantages:
+    advantages: torch.Tensor  # [B] or [B, T]
+    returns: torch.Tensor | None = None  # [B, T] the critic's regression targets (gae)
+
+
+AdvantageEstimator = Callable[[AdvantageInputs], Advantages]
+
+
+def _group_relative(method: str) -> AdvantageEstimator:
+    def estimate(x: AdvantageInputs) -> Advantages:
+        return Advantages(group_advantages(x.sequence_rewards(), x.group, method=method))
+
+    return estimate
+
+
+def _remax(x: AdvantageInputs) -> Advantages:
+    return Advantages(remax_advantages(x.sequence_rewards(), x.baselines))
+
+
+def _reinforce_pp(x: AdvantageInputs) -> Advantages:
+    t = x.train
+    return Advantages(reinforce_pp_advantages(x.rewards, x.mask, kl=x.kl, kl_coef=t.kl.coef, gamma=t.gamma,
+                                              reduce_sum=x.reduce_sum))
+
+
+def _gae(x: AdvantageInputs) -> Advantages:
+    """GAE on the critic's values (gae.py), whitened over the global batch like REINFORCE++."""
+    t = x.train
+    token_r = token_rewards(x.rewards, x.mask, kl=x.kl, kl_coef=t.kl.coef)
+    adv, returns = gae_advantages(token_r, x.values, x.mask, gamma=t.gamma, lam=t.critic.lam)
+    return Advantages(masked_whiten(adv, x.mask, reduce_sum=x.reduce_sum), returns)
+
+
+ADVANTAGES: dict[str, AdvantageEstimator] = {
+    **{method: _group_relative(method) for method in GROUP_METHODS},
+    "reinforce_pp": _reinforce_pp,
+    "remax": _remax,
+    "gae": _gae,
+}

@@ -27,7 +27,7 @@ def agg_denominator(mask: torch.Tensor, agg: str) -> float:
     non-empty sequences for the seq-* modes. May be 0.0 for an empty micro-batch.
 
     The learner uses it to turn micro-batch means into one global-batch mean:
-    global = sum_micro(loss_micro * denom_micro) / denom_global.
+    global = sum_micro(loss_micro * denom_micro) / denom_global (normalization.py).
     """
     _check_agg(agg)
     m = mask.bool()

@@ -54,8 +54,8 @@ def value_loss(
     clip: float | None = 0.2,
     agg: str = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Scalar critic loss with gradient through `values` (`[B, T]`); clip=None is the
-    plain squared error."""
+    """Scalar critic loss with gradient through `values` (`[B, T]`), and {metric key:
+    mean over the response tokens}; clip=None is the plain squared error."""
     m = mask.bool()
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     v = torch.where(m, values, zero)
@@ -73,5 +73,5 @@ def value_loss(
     loss = aggregate(0.5 * err, m, agg)
     with torch.no_grad():
         n = m.sum().clamp(min=1)
-        stats = {"value_clip_frac": float(clipped.sum() / n), "value_mean": float(v.sum() / n)}
+        stats = {"critic/clip_frac": float(clipped.sum() / n), "critic/value_mean": float(v.sum() / n)}
     return loss, stats

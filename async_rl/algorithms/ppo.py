@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 
 from .aggregation import aggregate
-from .kl import kl_estimate
 
 IS_MODES: tuple[str, ...] = ("truncate", "mask")
 
@@ -62,7 +61,9 @@ def ppo_clip_loss(
     log_ratio_clamp: float = 20.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token tensors are `[B, T]`; `advantages` is `[B]` (broadcast over tokens)
-    or `[B, T]`. Returns (scalar loss with grad, dict of float stats)."""
+    or `[B, T]`. Returns (scalar loss with grad, {metric key: mean over the response
+    tokens}); the importance weights' ESS and mismatch KL, which do not depend on the
+    loss, are importance.py's."""
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if is_mode not in IS_MODES:
@@ -110,23 +111,14 @@ def ppo_clip_loss(
         # The clipped branch is active (zero gradient) only where it is strictly smaller.
         clipped = m & (surr_clipped < surr)
         n = m.sum().clamp(min=1)
-        w_resp = torch.where(m, w, zero)
-        if decoupled and m.any():
-            # ESS of the capped (or masked) weights actually used in the loss, normalized to (0, 1].
-            ess = float(w_resp.sum().square() / (m.sum() * w_resp.square().sum()).clamp(min=1e-30))
-        else:
-            ess = 1.0
         stats = {
-            "clip_frac": float(clipped.sum() / n),
-            "clip_frac_low": float((clipped & (ratio < 1.0)).sum() / n),
-            "clip_frac_high": float((clipped & (ratio > 1.0)).sum() / n),
-            "dual_clip_frac": float(dual_active.sum() / n),
-            "is/ess": ess,
+            "is/clip_frac": float(clipped.sum() / n),
+            "is/clip_frac_low": float((clipped & (ratio < 1.0)).sum() / n),
+            "is/clip_frac_high": float((clipped & (ratio > 1.0)).sum() / n),
+            "is/dual_clip_frac": float(dual_active.sum() / n),
             # Truncated tokens under is_mode="truncate", dropped ones under "mask".
             "is/capped_frac": float((m & (raw_w > is_cap)).sum() / n),
-            "is/weight_mean": _masked_mean(w, m),
-            # k3 of KL(behav || prox): samples come from the behavior policy.
-            "mismatch_kl": _masked_mean(kl_estimate(logp_behav, logp_prox, "k3"), m),
-            "ratio_mean": _masked_mean(ratio, m),
+            "is/weight_mean": _masked_mean(w, m),  # the weights applied: after the cap, 0 where dropped
+            "is/ratio_mean": _masked_mean(ratio, m),
         }
     return loss, stats

@@ -18,7 +18,7 @@ def make_engine(name: str, **kw: Any) -> GenerationEngine:
         return TorchEngine(**kw)
     if name == "vllm":
         from async_rl.engines.vllm_engine import VLLMEngine
-        from async_rl.engines.vllm_weights import require_vllm
+        from async_rl.weight_sync.vllm_api import require_vllm
 
         require_vllm()  # first: a missing or old vLLM is one line (VLLMUnavailable), whatever the arguments
         return VLLMEngine(**kw)

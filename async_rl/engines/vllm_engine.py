@@ -9,7 +9,7 @@ token was actually drawn from, as with `TorchEngine`. Greedy calls use temperatu
 (their log-probs are whatever vLLM reports there; only ReMax's rewards use them).
 
 Versions: `LLM.generate` blocks, and the actor applies weight updates only between
-its calls (weight_sync for vLLM: `vllm_weights.VLLMWeightReceiver`), so nothing is in
+its calls (weight_sync/vllm.py: `VLLMWeightReceiver`), so nothing is in
 flight during an update and every token of a response carries the version current
 when `generate` began; the pause/resume API (`pause_generation(mode="keep")`) is
 only needed by callers that generate concurrently with updates. When the installed
@@ -30,7 +30,20 @@ import torch
 from torch import nn
 
 from async_rl.engines.base import Completion
-from async_rl.engines.vllm_weights import Spec, VLLMWeightReceiver, hf_parameter_specs, require_vllm
+from async_rl.weight_sync.plan import Spec
+from async_rl.weight_sync.vllm import VLLMWeightReceiver
+from async_rl.weight_sync.vllm_api import require_vllm
+
+
+def hf_parameter_specs(model_path: str, dtype: torch.dtype = torch.float32) -> list[Spec]:
+    """(name, shape, wire dtype) of the HF model's parameters in `named_parameters()`
+    order, from a meta-device skeleton (no weights are read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return [(name, tuple(p.shape), dtype) for name, p in skeleton.named_parameters()]
 
 
 def sampled_logprobs(token_ids: Sequence[int], steps: Sequence[Any] | None) -> torch.Tensor:

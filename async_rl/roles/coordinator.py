@@ -1,14 +1,18 @@
 """Coordinator: runs as a thread on learner rank 0.
 
 It owns the prompt cursor (admission index = prompt index), admission control, the
-replay buffer, the actor registry, the weight-sync membership and the evaluation rounds
-(evaluation.py). A prompt longer than the run's prompt limit is never granted: its
-slot is marked skipped in the buffer, counted and logged. Actors talk to it
-over a ROUTER socket (hello / work / heartbeat / sync-done / goodbye, one reply per
-request; timeline spans come with the heartbeats and get no reply) and push experience
-to a PULL socket. Every message is validated by the wire layer; anything inconsistent
-with the coordinator's state is rejected and counted too. Valid spans go to the run's
-trace writer (tracing.py).
+replay buffer, the actor registry (actor_registry.py), the weight-sync membership and
+the evaluation rounds (evaluation.py). A prompt longer than the run's prompt limit is
+never granted: its slot is marked skipped in the buffer, counted and logged. Actors
+talk to it through the hub (hub.py): hello / work / heartbeat / sync-done / goodbye
+requests, timeline spans with the heartbeats, experience pushed separately. Anything
+inconsistent with the coordinator's state is rejected and counted like an invalid
+message. Valid spans go to the run's trace writer (tracing.py).
+
+The learner uses it through a few calls: `take` a batch, `advance` the version,
+`counters` for its metrics line, `request_eval` / `eval_results`, `snapshot` /
+`restore` for checkpoints, and `idle_s` / `too_long_in_a_row` to tell a run that can
+get no more data.
 """
 from __future__ import annotations
 
@@ -18,43 +22,23 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ..admission import Admission
 from ..config import Config, to_yaml
 from ..evaluation import EvalRounds, eval_prompt_ids
-from ..replay_buffer import ReplayBuffer
+from ..replay_buffer import ReplayBuffer, Taken
 from ..tasks.base import Task
 from ..tasks.reward_guard import REASONS
 from ..tracing import TraceWriter
 from ..transport import (EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder,
-                         TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, claimed_group, read_frames, send)
-from ..transport.security import CurveServer
+                         TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, claimed_group)
 from ..weight_sync import WeightBroadcaster
+from .actor_registry import ActorInfo, ActorRegistry
+from .hub import Hub
 
 log = logging.getLogger("async_rl.coordinator")
-
-
-@dataclass
-class ActorInfo:
-    actor_id: int
-    name: str
-    pid: int
-    host: str
-    identity: bytes
-    last_seen: float
-    version: int = 0
-    peak_rss_mb: float = 0.0
-    synced: tuple[int, int] = (-1, -1)  # (epoch, version) of the last broadcast it completed
-    outstanding: set[int] = field(default_factory=set)  # admission indices granted, not yet delivered
-    # Joins weight broadcasts only from its first work request on, i.e. once its model
-    # is loaded: members of a new epoch's group would otherwise wait for the load.
-    ready: bool = False
-    fd: int = -1  # the hub's file descriptor of its request connection (see _on_disconnects)
 
 
 @dataclass
@@ -72,7 +56,7 @@ class Coordinator:
         tokens as the actors will encode it; prompts over `prompt_limit` are skipped."""
         self.cfg, self.task, self.broadcaster, self.run_dir = cfg, task, broadcaster, run_dir
         self.prompt_length, self.prompt_limit = prompt_length, prompt_limit
-        self.skips_in_a_row = 0  # prompts skipped since the last one granted (all too long: a config error)
+        self._too_long_streak = 0  # prompts skipped since the last one granted (all too long: a config error)
         self.evals = EvalRounds(eval_prompt_ids(task, cfg.eval.size), cfg.eval.batch_size)
         self._last_result = time.monotonic()
         self.trace = trace if trace is not None else TraceWriter(run_dir / "trace.json")
@@ -82,44 +66,66 @@ class Coordinator:
         self.limits = WireLimits()
         self.rejects = RejectCounter()
         self.reward_errors = dict.fromkeys(REASONS, 0)  # accepted groups' and eval results' failed reward calls
-        self.version = 0  # learner version, set by the learner after each step
-        self.actors: dict[int, ActorInfo] = {}
+        self.version = 0  # the learner's version (advance)
+        self.actors = ActorRegistry()
         self.granted: dict[int, Grant] = {}  # admission index -> who generates it
         self.reissue: deque[int] = deque()  # indices whose actor died before delivering
-        self._next_actor_id = 0
-        self._stopping = threading.Event()
-        self._drain_s = 3.0
-        self._stopped = threading.Event()
-        self._ready = threading.Event()
+        self._stopping = threading.Event()  # from now on every actor is told to leave
         self._lock = threading.Lock()  # held while messages are handled; see snapshot()
-        self.hub_addr = self.experience_addr = ""
-        self._fd = -1  # connection of the hub message being handled (_drain)
-        self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
+        self.hub = Hub(cfg, self.rejects, self._lock)
 
     # -- lifecycle ----------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
-        if not self._ready.wait(timeout=30):
-            raise RuntimeError("coordinator failed to bind its sockets")
+        self.hub.start(self, self.limits)
+        with self._lock:  # the hub may be handling a first request already
+            self._write_endpoints()
 
     def stop(self, drain_s: float = 3.0) -> None:
         """Tell every actor to leave (they get Goodbye on their next request), then close."""
-        self._drain_s = drain_s
         self._stopping.set()
-        self._thread.join(timeout=drain_s + 10)
+        self.hub.stop(drain_s)
+
+    @property
+    def hub_addr(self) -> str:
+        return self.hub.request_addr
+
+    @property
+    def experience_addr(self) -> str:
+        return self.hub.experience_addr
+
+    # -- what the learner asks ----------------------------------------------------
+    def take(self, n: int, version: int, timeout: float | None = None,
+             stop: threading.Event | None = None) -> Taken[ExperienceGroup] | None:
+        """The next `n` groups in admission order for the learner at `version` (older
+        ones are dropped and counted); None after `timeout` s or once `stop` is set."""
+        return self.buffer.take(n, learner_version=version, timeout=timeout, stop=stop)
+
+    def advance(self, version: int) -> None:
+        """The learner's new version: requests at it are served from now on."""
+        self.version = version
+
+    def counters(self) -> dict[str, float]:
+        """The coordinator's part of a step's metrics line, totals so far."""
+        with self._lock:
+            errors = dict(self.reward_errors)
+            return {"staleness/dropped": self.buffer.dropped, "wire/rejected": self.rejects.total,
+                    "actors/live": len(self.actors), "data/prompts_admitted": self.admission.admitted,
+                    "data/prompts_consumed": self.buffer.consumed, "data/prompts_skipped": len(self.admission.skipped),
+                    "memory/actor_peak_rss_gb": self.actors.peak_rss_mb() / 1024,
+                    "reward/errors": sum(errors.values()), **{f"reward/errors_{r}": n for r, n in errors.items()}}
 
     @property
     def live_actors(self) -> int:
         return len(self.actors)
 
-    @property
-    def actor_peak_rss_mb(self) -> float:
-        return max((a.peak_rss_mb for a in self.actors.values()), default=0.0)
-
     def idle_s(self, since: float) -> float:
         """Seconds since the later of `since` (time.monotonic) and the last experience
         group or evaluation result accepted: how long the actors have given nothing."""
         return time.monotonic() - max(since, self._last_result)
+
+    def too_long_in_a_row(self) -> int:
+        """Prompts skipped as too long since the last one granted."""
+        return self._too_long_streak
 
     def reward_error_totals(self) -> dict[str, int]:
         """Failed reward calls per reason, summed over accepted groups and eval results."""
@@ -142,19 +148,19 @@ class Coordinator:
     # -- checkpoint state ---------------------------------------------------------
     def snapshot(self) -> tuple[dict, list[tuple[int, int, ExperienceGroup]]]:
         """A consistent copy of everything a resumed run needs (JSON state, buffered
-        groups). Granted groups not yet delivered are recorded as pending: a resumed
-        run re-issues them, so no admitted prompt is lost or counted twice."""
+        groups), sharing nothing the hub goes on changing while it is written. Granted
+        groups not yet delivered are recorded as pending: a resumed run re-issues them,
+        so no admitted prompt is lost or counted twice."""
         with self._lock:
-            state = {"admitted": self.admission.admitted, "next_actor_id": self._next_actor_id,
+            state = {"admitted": self.admission.admitted, "next_actor_id": self.actors.next_id,
                      "pending": sorted({*self.granted, *self.reissue}), "buffer_next": self.buffer.next_index,
                      "consumed": self.buffer.consumed, "dropped": self.buffer.dropped,
-                     "skipped": self.admission.skipped, "rejected": self.rejects.by_reason(),
+                     "skipped": list(self.admission.skipped), "rejected": self.rejects.by_reason(),
                      "reward_errors": dict(self.reward_errors)}
             return state, self.buffer.contents()
 
     def restore(self, version: int, state: dict, groups: list[tuple[int, int, ExperienceGroup]]) -> None:
-        """Load a snapshot; call before start(). Actor ids continue where they stopped,
-        so a new actor never replays an old one's sampling stream (seeded by its id).
+        """Load a snapshot; call before start(). Actor ids continue where they stopped.
         Raises CheckpointError, changing nothing, unless every admitted slot is accounted for."""
         from ..checkpoint_integrity import check_partition
 
@@ -162,7 +168,7 @@ class Coordinator:
         self.version = version
         self.admission.admitted = state["admitted"]
         self.admission.skipped = list(state.get("skipped", []))
-        self._next_actor_id = state["next_actor_id"]
+        self.actors.next_id = state["next_actor_id"]
         self.reissue.extend(state["pending"])
         self.buffer.restore(state["buffer_next"], groups, consumed=state["consumed"], dropped=state["dropped"],
                             skipped=[i for i in self.admission.skipped if i >= state["buffer_next"]])
@@ -170,122 +176,34 @@ class Coordinator:
         for reason, n in state.get("reward_errors", {}).items():  # absent before reward errors were counted
             if reason in self.reward_errors:
                 self.reward_errors[reason] += int(n)
+        log.info("restored %d buffered groups, %d prompts to re-issue", len(self.buffer), len(self.reissue))
 
-    # -- the loop -----------------------------------------------------------------
-    def _bind(self, ctx: zmq.Context, kind: int, port: int, curve) -> tuple[zmq.Socket, str]:
-        sock = ctx.socket(kind)
-        if curve is not None:
-            curve.secure(sock)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, self.cfg.transport.hwm if kind == zmq.PULL else 1000)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
-        sock.setsockopt(zmq.SNDTIMEO, int(self.cfg.transport.timeout_s * 1000))
-        host = self.cfg.transport.host
-        if port:
-            sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = sock.bind_to_random_port(f"tcp://{host}")
-        return sock, f"tcp://{host}:{port}"
-
-    def _run(self) -> None:
-        ctx = zmq.Context()
-        curve = CurveServer(ctx, self.cfg.security.keys_dir) if self.cfg.security.curve else None
-        hub, self.hub_addr = self._bind(ctx, zmq.ROUTER, self.cfg.transport.hub_port, curve)
-        hub.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A closed connection (the kernel closes a killed process's sockets) names its
-        # file descriptor: the actor whose requests came through it is reaped at once,
-        # not after actors.heartbeat_timeout_s. (ROUTER_NOTIFY, which would name the
-        # peer, is a draft API that pyzmq's libzmq is not built with.)
-        disconnects = hub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        pull, self.experience_addr = self._bind(ctx, zmq.PULL, self.cfg.transport.experience_port, curve)
-        self._write_endpoints()
-        self._ready.set()
-        poller = zmq.Poller()
-        poller.register(hub, zmq.POLLIN)
-        poller.register(pull, zmq.POLLIN)
-        poller.register(disconnects, zmq.POLLIN)
-        stop_deadline = None
-        try:
-            while True:
-                if self._stopping.is_set():
-                    stop_deadline = stop_deadline or time.monotonic() + self._drain_s
-                    if not self.actors or time.monotonic() > stop_deadline:
-                        break
-                events = dict(poller.poll(50))
-                with self._lock:  # a checkpoint snapshot sees the state between messages
-                    if hub in events:
-                        for identity, msg in self._drain(hub, routed=True, most=64):
-                            self._on_request(hub, identity, msg)
-                    if disconnects in events:
-                        self._on_disconnects(disconnects)
-                    if pull in events:
-                        for _, msg in self._drain(pull, routed=False, most=256, on_reject=self._on_rejected_group):
-                            self._on_experience(msg)
-                    self._reap_dead()
-        finally:
-            hub.disable_monitor()
-            disconnects.close(0)
-            hub.close(0)
-            pull.close(0)
-            if curve is not None:
-                curve.stop()
-            ctx.term()
-            self._stopped.set()
-
-    def _drain(self, sock: zmq.Socket, *, routed: bool, most: int, on_reject=None):
-        """Up to `most` valid messages already queued (invalid ones are counted by
-        read_frames). On the hub, `self._fd` is the connection the message came through."""
-        for _ in range(most):
-            try:
-                parts = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._fd = parts[0].get(zmq.SRCFD) if routed else -1
-            identity, msg = read_frames(parts, self.limits, self.rejects, routed=routed, on_reject=on_reject)
-            if msg is not None:
-                yield identity, msg
-
-    def _on_disconnects(self, monitor: zmq.Socket) -> None:
-        while monitor.poll(0):
-            fd = recv_monitor_message(monitor)["value"]
-            # A new connection may reuse the number before we see this event: then a live
-            # actor is removed, and registers again on its next request (rejoin).
-            for actor in [a for a in self.actors.values() if a.fd == fd]:
-                self._remove(actor.actor_id, "its connection closed")
-
-    # -- requests -----------------------------------------------------------------
-    def _reply(self, hub: zmq.Socket, identity: bytes, msg) -> None:
-        try:
-            send(hub, msg, identity=identity)
-        except zmq.ZMQError as err:  # peer vanished (ROUTER_MANDATORY) or queue full
-            log.warning("could not reply to an actor: %s", err)
-
-    def _on_request(self, hub: zmq.Socket, identity: bytes, msg) -> None:
+    # -- requests (Hub's Handler) ---------------------------------------------------
+    def on_request(self, identity: bytes, fd: int, msg):
         now = time.monotonic()
         if isinstance(msg, Hello):
-            self._register(hub, identity, msg, now)
-            return
+            return self._register(identity, fd, msg, now)
         actor = self.actors.get(getattr(msg, "actor_id", -1))
         if actor is None:
             if isinstance(msg, Goodbye):
-                return  # an actor we already removed, leaving too: nothing to do
+                return None  # an actor we already removed, leaving too: nothing to do
             self.rejects.reject("unknown_actor")
             if isinstance(msg, WorkRequest):  # e.g. stalled past the heartbeat timeout, now back
-                self._reply(hub, identity, Goodbye(reason="unknown actor: register with hello first", rejoin=True))
-            return
+                return Goodbye(reason="unknown actor: register with hello first", rejoin=True)
+            return None
         if identity != actor.identity and not isinstance(msg, (Heartbeat, TraceSpans)):
             # Requests come from the socket that registered (heartbeats and the spans
             # shipped with them have their own):
             # a peer that guesses an actor id cannot take its grants or its place.
             self.rejects.reject("identity_mismatch")
-            return
+            return None
         actor.last_seen = now
         if identity == actor.identity:
-            actor.fd = self._fd
+            actor.fd = fd
         if isinstance(msg, Heartbeat):
             actor.version = max(actor.version, msg.version)
             actor.peak_rss_mb = msg.peak_rss_mb
-        elif isinstance(msg, TraceSpans):  # validated by the wire layer; no reply
+        elif isinstance(msg, TraceSpans):
             self.trace.add_actor_spans(msg.actor_id, msg.names, msg.start_us, msg.dur_us, msg.args, msg.dropped)
         elif isinstance(msg, SyncDone):
             actor.version = max(actor.version, msg.version)
@@ -295,21 +213,21 @@ class Coordinator:
         elif isinstance(msg, WorkRequest):
             if msg.version > self.version:
                 self.rejects.reject("future_version")
-                self._reply(hub, identity, Wait(seconds=0.1))
-                return
+                return Wait(seconds=0.1)
             actor.version = msg.version
             if not actor.ready:
                 actor.ready = True
                 self._membership_changed()
-            self._reply(hub, identity, self._answer_work(actor, msg))
+            return self._answer_work(actor, msg)
         else:
             self.rejects.reject("unexpected_kind")
+        return None
 
     def _answer_work(self, actor: ActorInfo, req: WorkRequest):
         if self._stopping.is_set():
             return Goodbye(reason="run finished")
         if req.max_groups > 0:  # intact weights: evaluation first, also before a sync (see evaluation.py)
-            grant = self.evals.grant(actor.actor_id, req.version, {a.version for a in self.actors.values() if a.ready})
+            grant = self.evals.grant(actor.actor_id, req.version, self.actors.ready_versions())
             if grant is not None:
                 return grant
         job = self.broadcaster.job()
@@ -325,7 +243,7 @@ class Coordinator:
                 self.admission.skip(i)
                 self.buffer.skip(i)
                 continue
-            self.skips_in_a_row = 0
+            self._too_long_streak = 0
             indices.append(i)
             prompts.append(prompt)
             self.granted[i] = Grant(actor.actor_id, req.version, prompt.id)
@@ -344,7 +262,7 @@ class Coordinator:
         if skipped <= 10 or skipped % 1000 == 0:  # a few lines, then a reminder now and then
             log.warning("prompt %d skipped: %d tokens, over the limit of %d (task.max_prompt_tokens); %d skipped so far",
                         prompt.id, length, self.prompt_limit, skipped)
-        self.skips_in_a_row += 1
+        self._too_long_streak += 1
         return True
 
     def _admit(self, version: int, wanted: int) -> list[int]:
@@ -355,17 +273,15 @@ class Coordinator:
         out.extend(self.admission.admit(version, wanted - len(out)))
         return out
 
-    def _register(self, hub: zmq.Socket, identity: bytes, msg: Hello, now: float) -> None:
-        actor_id = self._next_actor_id
-        self._next_actor_id += 1
-        self.actors[actor_id] = ActorInfo(actor_id, msg.actor_name, msg.pid, msg.host, identity, now, fd=self._fd)
-        log.info("actor %d (%s, pid %d) joined", actor_id, msg.actor_name, msg.pid)
+    def _register(self, identity: bytes, fd: int, msg: Hello, now: float) -> Welcome:
+        actor = self.actors.add(msg, identity, fd, now)
+        log.info("actor %d (%s, pid %d) joined", actor.actor_id, msg.actor_name, msg.pid)
         self._membership_changed()
-        self._reply(hub, identity, Welcome(actor_id=actor_id, config_yaml=to_yaml(self.cfg),
-                                           experience_addr=self.experience_addr, version=self.version))
+        return Welcome(actor_id=actor.actor_id, config_yaml=to_yaml(self.cfg), experience_addr=self.experience_addr,
+                       version=self.version)
 
     def _remove(self, actor_id: int, why: str, level: int = logging.WARNING) -> None:
-        actor = self.actors.pop(actor_id, None)
+        actor = self.actors.pop(actor_id)
         if actor is None:
             return
         log.log(level, "actor %d (%s) removed: %s", actor_id, actor.name, why)
@@ -375,27 +291,28 @@ class Coordinator:
         self.evals.actor_left(actor_id)
         self._membership_changed()
 
-    def _reap_dead(self) -> None:
+    def on_disconnect(self, fd: int) -> None:
+        for actor in self.actors.connected_through(fd):
+            self._remove(actor.actor_id, "its connection closed")
+
+    def on_tick(self) -> None:
         timeout = self.cfg.actors.heartbeat_timeout_s
-        now = time.monotonic()
-        for actor in [a for a in self.actors.values() if now - a.last_seen > timeout]:
+        for actor in self.actors.silent(time.monotonic(), timeout):
             self._remove(actor.actor_id, f"no heartbeat for {timeout:.0f}s")
 
     def _membership_changed(self) -> None:
-        self.broadcaster.set_members(a.actor_id for a in self.actors.values() if a.ready)
+        self.broadcaster.set_members(self.actors.ready_ids())
         self._write_endpoints()
 
     def _write_endpoints(self) -> None:
-        data = {
-            "hub": self.hub_addr, "experience": self.experience_addr,
-            "store": f"{self.broadcaster.host}:{self.broadcaster.port}", "learner_pid": os.getpid(),
-            "actors": [{"id": a.actor_id, "pid": a.pid, "name": a.name, "host": a.host} for a in self.actors.values()],
-        }
+        data = {"hub": self.hub_addr, "experience": self.experience_addr,
+                "store": f"{self.broadcaster.host}:{self.broadcaster.port}", "learner_pid": os.getpid(),
+                "actors": self.actors.describe()}
         tmp = self.run_dir / "endpoints.json.tmp"
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, self.run_dir / "endpoints.json")  # readers never see a half-written file
 
-    # -- experience ---------------------------------------------------------------
+    # -- experience (Hub's Handler) -------------------------------------------------
     def _give_back(self, actor_id: int, index: int) -> None:
         """Every grant ends exactly once: a group of a live actor's grant that is refused
         for any reason is generated again (re-issued), like the grants of an actor that left."""
@@ -408,21 +325,14 @@ class Coordinator:
             actor.outstanding.discard(index)
         self.reissue.append(index)
 
-    def _on_rejected_group(self, frames) -> None:
+    def on_rejected_group(self, frames) -> None:
         claim = claimed_group(frames, self.limits)
         if claim is not None:
             self._give_back(*claim)
 
-    def _on_experience(self, msg) -> None:
+    def on_experience(self, msg) -> None:
         if isinstance(msg, EvalResult):
-            reason = self.evals.on_result(msg)
-            if reason is None:
-                self._last_result = time.monotonic()
-                self._count_reward_errors(msg.reward_errors)
-            elif reason == "stale_eval":  # scored for a round that started over: not an invalid message
-                log.debug("actor %d: evaluation result of an earlier round ignored", msg.actor_id)
-            elif reason is not None:
-                self.rejects.reject(reason)
+            self._on_eval_result(msg)
             return
         if not isinstance(msg, ExperienceGroup):
             self.rejects.reject("unexpected_kind")
@@ -455,3 +365,13 @@ class Coordinator:
         actor = self.actors.get(msg.actor_id)
         if actor is not None:
             actor.outstanding.discard(msg.group)
+
+    def _on_eval_result(self, msg: EvalResult) -> None:
+        reason = self.evals.on_result(msg)
+        if reason is None:
+            self._last_result = time.monotonic()
+            self._count_reward_errors(msg.reward_errors)
+        elif reason == "stale_eval":  # scored for a round that started over: not an invalid message
+            log.debug("actor %d: evaluation result of an earlier round ignored", msg.actor_id)
+        else:
+            self.rejects.reject(reason)

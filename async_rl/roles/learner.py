@@ -2,11 +2,12 @@
 
 Rank 0 also hosts the coordinator (prompts, admission, replay buffer, registry,
 evaluation rounds) and the weight broadcaster. Evaluation runs on the actors
-(evaluation.py): the learner only asks for it and logs the results as they come. One step: rank 0 takes `batch_groups` groups in admission
-order and scatters whole groups to ranks; every rank runs `train_step` (advantages,
-losses, optimizer steps; FSDP2 averages gradients); then the version increments and,
-every `sync.every` steps, full weights go to the actors. The version counts learner
-steps, whatever `train.minibatches` optimizer steps each one takes.
+(evaluation.py): the learner only asks for it and logs the results as they come.
+One step (`Learner.run`): rank 0 takes `batch_groups` groups in admission order and
+scatters whole groups to ranks; every rank runs `train_step` (advantages, losses,
+optimizer steps; FSDP2 averages gradients); then the version increments and, every
+`sync.every` steps, full weights go to the actors. The version counts learner steps,
+whatever `train.minibatches` optimizer steps each one takes.
 
 Run with: torchrun --nproc-per-node R -m async_rl.roles.learner RUN_DIR/config.yaml [--resume CHECKPOINT]
 """
@@ -18,9 +19,8 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -28,14 +28,15 @@ from ..batching import Batch, build_batch, order_for_ranks, scatter_batch
 from ..checkpoint import BUFFER_FILE, load_checkpoint, read_groups, save_checkpoint, save_hf_model, write_groups
 from ..config import Config, to_yaml
 from ..health import RunHealth
+from ..metrics import MetricsLogger
+from ..models.sharding import build_models, full_parameters
 from ..prompting import prompt_limit
 from ..runtime import (EXIT_CONFIG, EXIT_NONFINITE, EXIT_REWARD_ERRORS, EXIT_STALLED, make_prompt_format,
                        make_task_from_config, peak_rss_mb, resolve_device, sync_backend, write_status)
-from ..tasks.reward_guard import describe, step_errors
-from ..metrics import MetricsLogger, batch_histograms, generations_table, version_mix
+from ..tasks.reward_guard import describe
 from ..tracing import SpanRecorder, TraceWriter
-from ..models.sharding import build_models, full_parameters
 from ..train_step import train_step
+from .step_data import StepData, measure_step
 
 log = logging.getLogger("async_rl.learner")
 POLL_S = 0.5  # how long rank 0 waits between the broadcasts that keep the other ranks with it
@@ -52,6 +53,12 @@ def lr_factor(cfg: Config, step: int) -> float:
     progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_schedule == "cosine" else 1 - progress
     return t.lr_min_ratio + (1 - t.lr_min_ratio) * shape
+
+
+class Stop(NamedTuple):
+    """How a run ended: status.json's exit code and reason."""
+    exit_code: int
+    reason: str
 
 
 class Learner:
@@ -71,8 +78,9 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(cfg, step))
         self.version = 0
         self.samples_total = self.skipped_total = 0
+        self.skipped_streak = 0  # steps in a row with a non-finite loss or gradient
         self.stop_event = threading.Event()  # set by SIGINT/SIGTERM; rank 0 acts on it
-        self.halt: tuple[int, str] | None = None  # rank 0: (exit code, reason) of a stop for want of data
+        self.halt: Stop | None = None  # rank 0: a stop for want of data (_halt_for_want_of_data)
         self.spans = SpanRecorder(enabled=False)  # the timeline is rank 0's: see _init_rank0
         state = load_checkpoint(resume, self._trained_parts()) if resume else None
         if state is not None:
@@ -83,9 +91,8 @@ class Learner:
         if self.rank == 0:
             self._init_rank0(resume=state is not None)
             if state is not None:
+                log.info("resumed from %s at version %d", resume, self.version)
                 self.coordinator.restore(self.version, state["coordinator"], read_groups(resume / BUFFER_FILE))
-                log.info("resumed from %s at version %d: %d buffered groups, %d prompts to re-issue", resume,
-                         self.version, len(self.coordinator.buffer), len(self.coordinator.reissue))
             self.coordinator.start()
             self.metrics = MetricsLogger(self.run_dir, cfg.train.max_steps, resume_step=self.version,
                                          elapsed=state["learner"]["elapsed"] if state else 0.0)
@@ -113,77 +120,85 @@ class Learner:
         self.trace = TraceWriter(self.run_dir / "trace.json", resume=resume)
         self.spans = self.trace.learner
         lengths = make_prompt_format(cfg)  # the coordinator thread's own tokenizer
-        self.coordinator = Coordinator(
-            cfg, self.task, self.broadcaster, self.run_dir, trace=self.trace,
-            prompt_length=lambda prompt: len(lengths.encode(prompt)),
-            prompt_limit=prompt_limit(cfg.task.max_prompt_tokens, self.model.config, cfg.actors.max_new_tokens))
+        self.prompt_limit = prompt_limit(cfg.task.max_prompt_tokens, self.model.config, cfg.actors.max_new_tokens)
+        self.coordinator = Coordinator(cfg, self.task, self.broadcaster, self.run_dir, trace=self.trace,
+                                       prompt_length=lambda prompt: len(lengths.encode(prompt)),
+                                       prompt_limit=self.prompt_limit)
+
+    # -- the loop ---------------------------------------------------------------
+    def run(self) -> int:
+        """Train to train.max_steps or a stop rule. Every rank returns 0: torchrun turns a
+        worker's nonzero exit into its own error report, so the outcome goes in status.json."""
+        cfg = self.cfg
+        if self.version > 0:
+            self._sync_weights()  # resumed: actors start from the base model, give them ours
+        self._request_eval()
+        self._last_step_end = time.monotonic()
+        stop, interrupted = None, False
+        while self.version < cfg.train.max_steps:
+            local, data = self._next_batch()
+            if local is None:  # rank 0 stopped before the step: a signal, or no data to be had
+                stop, interrupted = self.halt or Stop(0, f"interrupted at step {self.version}"), True
+                break
+            is_weights: list[torch.Tensor] | None = [] if self.rank == 0 else None
+            with self.spans.span("train-step", step=self.version + 1):
+                stats = train_step(cfg, self.models, local, is_weights)
+            stats["learner/skipped_steps"] = self._count_skipped_steps(stats["learner/skipped_steps"])
+            stats["learner/lr"] = self.scheduler.get_last_lr()[0]
+            stats["memory/learner_peak_rss_gb"], bad_rewards = self._all_reduce_verdicts(data)
+            self.scheduler.step()
+            self.version += 1
+            if self.rank == 0:
+                # Before the publish: its broadcast can complete, and the actors ask for
+                # work at the new version, before publish() even returns (streamed buckets).
+                self.coordinator.advance(self.version)
+            sync_s = self._sync_weights() if self.version % cfg.sync.every == 0 else 0.0
+            if self.rank == 0:
+                self._log_step(stats, data, is_weights, sync_s)
+            stop = self._nonfinite_stop() or self._reward_error_stop(bad_rewards, data)
+            if stop is not None:
+                break
+            if self._due(cfg.eval.every):
+                self._request_eval()
+            if self._due(cfg.checkpoint.every):
+                self._checkpoint()
+        if not interrupted:
+            self._final_eval()
+        self._finish()
+        if self.rank == 0:
+            write_status(self.run_dir, *(stop or Stop(0, "finished")))
+        return 0
+
+    def _due(self, every: int) -> bool:
+        """Every `every` steps (0: never), but not after the last: the end evaluates and checkpoints anyway."""
+        return bool(every) and self.version % every == 0 and self.version < self.cfg.train.max_steps
 
     # -- pieces of a step -------------------------------------------------------
-    def _next_batch(self) -> tuple[Batch | None, dict[str, Any]]:
-        """Rank 0 takes the next groups and scatters them; (None, {}) on every rank once
-        rank 0 decides to stop (signal received while training or waiting for data).
-        Rank 0's info: the step's figures, plus TensorBoard histograms and texts."""
+    def _next_batch(self) -> tuple[Batch | None, StepData | None]:
+        """Rank 0 takes the next groups and scatters them: (this rank's share, rank 0's
+        StepData). (None, None) on every rank once rank 0 stops instead: on a signal,
+        or when no data can come (self.halt)."""
         cfg, taken = self.cfg, None
         started = time.monotonic()
 
         def poll() -> bool | None:
             nonlocal taken
-            taken = self.coordinator.buffer.take(cfg.train.batch_groups, self.version, timeout=POLL_S,
-                                                 stop=self.stop_event)
+            taken = self.coordinator.take(cfg.train.batch_groups, self.version, timeout=POLL_S, stop=self.stop_event)
             if taken is not None or self.stop_event.is_set():
                 return taken is not None
-            c = self.coordinator
-            # Either way the run stops like an interrupted one: a checkpoint, final/, one line.
-            if c.skips_in_a_row >= SKIPS_IN_A_ROW:
-                self.halt = (EXIT_CONFIG, f"the last {c.skips_in_a_row} prompts were all longer than the prompt limit "
-                             f"of {c.prompt_limit} tokens: raise task.max_prompt_tokens (or lower "
-                             f"actors.max_new_tokens, which the default limit leaves room for)")
-            elif c.idle_s(since=started) > cfg.learner.timeout_s:
-                self.halt = (EXIT_STALLED, f"stopped at step {self.version}: no experience or evaluation result "
-                             f"arrived for {cfg.learner.timeout_s:.0f}s (learner.timeout_s; live actors: "
-                             f"{c.live_actors}); start actors and --resume")
-            if self.halt is not None:
-                log.error("%s", self.halt[1])
-                return False
-            return None
+            self.halt = self._halt_for_want_of_data(since=started)
+            return False if self.halt else None
 
-        stop_now = self.rank == 0 and self.stop_event.is_set()  # stop before taking anything
         with self.spans.span("wait-for-data", step=self.version + 1):
-            if not self._wait_together((lambda: False) if stop_now else poll):
-                return None, {}
-        batch, info = None, {}
+            if not self._wait_together((lambda: False) if self._signalled() else poll):
+                return None, None
+        batch, data = None, None
         if self.rank == 0:
             batch = build_batch(taken.groups, self.prompt_format.tokenizer.pad_token_id or 0)
-            info = self._batch_info(taken, batch, waited=time.monotonic() - started)
+            data = measure_step(cfg, taken, batch, self.version, time.monotonic() - started, self.prompt_format,
+                                self.health)
             batch = order_for_ranks(batch, cfg.train.group_size, self.world, cfg.train.minibatches)
-        return scatter_batch(batch, self.rank, self.world, self.device), info
-
-    def _batch_info(self, taken, batch: Batch, waited: float) -> dict[str, Any]:
-        """The step's figures about its data, plus TensorBoard histograms and texts (rank 0)."""
-        cfg = self.cfg
-        staleness = [self.version - v for v in taken.versions]
-        lengths = np.concatenate([g.response_lengths for g in taken.groups])
-        truncated = np.concatenate([g.truncated for g in taken.groups])
-        gen_seconds = sum(g.gen_seconds for g in taken.groups)
-        reward_errors, reward_error_frac = step_errors(taken.groups)
-        self.health.check(batch.rewards.numpy(), lengths, truncated, cfg.train.group_size)
-        info = {"waited": waited, "staleness/mean": sum(staleness) / len(staleness),
-                "staleness/max": max(staleness), "train/reward_mean": float(batch.rewards.mean()),
-                "train/response_len_mean": float(lengths.mean()), "train/response_len_max": float(lengths.max()),
-                "train/truncated_frac": float(truncated.mean()),
-                "reward/error_frac": reward_error_frac, "reward_errors": reward_errors,
-                "gen_tokens": float(lengths.sum()), "samples": float(batch.tokens.shape[0]),
-                # What a capacity model needs: the actors' generation time per group, and
-                # their speed while generating.
-                "actors/gen_seconds_per_group": gen_seconds / len(taken.groups),
-                "actors/gen_tokens_per_s": float(lengths.sum()) / max(gen_seconds, 1e-9)}
-        for k in sorted(set(staleness)):  # the per-step staleness histogram, in samples
-            info[f"staleness/count_{k}"] = staleness.count(k) * cfg.train.group_size
-        info.update(version_mix(taken.groups, self.version))  # in-flight updates: actors/mixed_version_frac, ...
-        info["histograms"] = batch_histograms(taken.groups, staleness)
-        if cfg.metrics.text_every and (self.version + 1) % cfg.metrics.text_every == 0:
-            info["texts"] = {"samples/generations": generations_table(taken.groups, self.prompt_format)}
-        return info
+        return scatter_batch(batch, self.rank, self.world, self.device), data
 
     def _wait_together(self, poll) -> bool:
         """Every rank waits until rank 0's `poll()` says go (True) or stop (False); None =
@@ -198,6 +213,24 @@ class Learner:
             dist.broadcast(flag, src=0)
             if flag[0] > 0:
                 return bool(flag[0] == 1.0)
+
+    def _count_skipped_steps(self, skipped: float) -> float:
+        """The run's total of optimizer steps skipped for a non-finite loss or gradient,
+        with this step's `skipped`; also keeps the streak of steps with such skips."""
+        self.skipped_total += skipped
+        self.skipped_streak = self.skipped_streak + 1 if skipped else 0
+        if self.skipped_streak and self.rank == 0:
+            log.warning("step %d: non-finite loss or gradient, %d optimizer step(s) skipped (%d in a row)",
+                        self.version + 1, skipped, self.skipped_streak)
+        return self.skipped_total
+
+    def _all_reduce_verdicts(self, data: StepData | None) -> tuple[float, bool]:
+        """(the largest peak RSS over the ranks in GB, whether the step's reward failures
+        stop the run), in one all-reduce: only rank 0 sees the step's reward failures."""
+        bad_rewards = data is not None and data.metrics["reward/error_frac"] > self.cfg.reward.max_error_frac
+        shared = torch.tensor([peak_rss_mb(), float(bad_rewards)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        return float(shared[0]) / 1024, bool(shared[1] > 0)
 
     def _gather(self, consume) -> None:
         """Gather full parameters one tensor at a time (a collective on every rank);
@@ -214,6 +247,81 @@ class Learner:
             self._gather(lambda params: self.broadcaster.publish(self.version, params))
         return time.monotonic() - started
 
+    def _log_step(self, stats: dict[str, float], data: StepData, is_weights: list[torch.Tensor], sync_s: float) -> None:
+        """Rank 0: the step's metrics line, each part named where it is computed, then
+        the evaluation rounds the actors finished."""
+        self.samples_total += data.samples
+        self.metrics.log({
+            "step": self.version, "version": self.version, "train/samples": self.samples_total, **data.metrics,
+            **stats, **self._throughput(data), "sync/seconds": sync_s,
+            "sync/broadcast_seconds": self.broadcaster.last_broadcast_s, **self.coordinator.counters(),
+        }, texts=data.texts, histograms={
+            # Importance weights of rank 0's tokens only (whole groups, 1/learner.ranks
+            # of the batch): a fair sample of the batch, without a collective.
+            **data.histograms, "is/weight": torch.cat(is_weights) if is_weights else []})
+        self._log_evals()
+
+    def _throughput(self, data: StepData) -> dict[str, float]:
+        """Rates over the time since the previous step ended, its wait for data included."""
+        now = time.monotonic()
+        interval, self._last_step_end = max(now - self._last_step_end, 1e-9), now
+        return {"throughput/samples_per_s": data.samples / interval,
+                "throughput/gen_tokens_per_s": data.gen_tokens / interval,
+                "learner/idle_frac": min(1.0, data.waited / interval)}
+
+    # -- stop rules ---------------------------------------------------------------
+    def _signalled(self) -> bool:
+        """SIGINT/SIGTERM/SIGHUP arrived: rank 0 stops before its next batch, the others
+        follow (_wait_together); the run ends with a checkpoint and final/, unevaluated."""
+        return self.rank == 0 and self.stop_event.is_set()
+
+    def _halt_for_want_of_data(self, since: float) -> Stop | None:
+        """Rank 0, waiting for a batch since `since`: a stop when no data can come, every
+        recent prompt being over the prompt limit (a config error), or the actors having
+        given nothing for learner.timeout_s. The run then ends like an interrupted one."""
+        c, timeout = self.coordinator, self.cfg.learner.timeout_s
+        halt = None
+        if c.too_long_in_a_row() >= SKIPS_IN_A_ROW:
+            halt = Stop(EXIT_CONFIG, f"the last {c.too_long_in_a_row()} prompts were all longer than the prompt "
+                        f"limit of {self.prompt_limit} tokens: raise task.max_prompt_tokens (or lower "
+                        f"actors.max_new_tokens, which the default limit leaves room for)")
+        elif c.idle_s(since=since) > timeout:
+            halt = Stop(EXIT_STALLED, f"stopped at step {self.version}: no experience or evaluation result "
+                        f"arrived for {timeout:.0f}s (learner.timeout_s; live actors: {c.live_actors}); "
+                        f"start actors and --resume")
+        if halt is not None:
+            log.error("%s", halt.reason)
+        return halt
+
+    def _nonfinite_stop(self) -> Stop | None:
+        """After train.max_skipped_steps steps in a row with a non-finite loss or
+        gradient. Every rank counts the same streak (the skip decision is all-reduced)."""
+        streak, limit = self.skipped_streak, self.cfg.train.max_skipped_steps
+        if streak < limit:
+            return None
+        if self.rank == 0:
+            log.error("stopping: %d consecutive steps with a non-finite loss or gradient (last at step %d); "
+                      "weights are those of the last finite step, checkpoint at %s", streak, self.version,
+                      self._checkpoint_dir())
+        return Stop(EXIT_NONFINITE, f"stopped: {streak} consecutive steps with a non-finite loss or gradient "
+                    f"(train.max_skipped_steps={limit}); the last checkpoint holds the weights of the last "
+                    f"finite step")
+
+    def _reward_error_stop(self, bad_rewards: bool, data: StepData | None) -> Stop | None:
+        """When more of the step's samples than reward.max_error_frac were scored
+        reward.fallback: rank 0's verdict (_all_reduce_verdicts), and its reason."""
+        if not bad_rewards:
+            return None
+        if self.rank != 0:
+            return Stop(EXIT_REWARD_ERRORS, "")
+        reason = (f"stopped: {data.metrics['reward/error_frac']:.0%} of step {self.version}'s samples were "
+                  f"scored reward.fallback ({describe(data.reward_errors)}), over "
+                  f"reward.max_error_frac={self.cfg.reward.max_error_frac:g}: fix task.reward (the actor "
+                  f"log has its first failure of each kind)")
+        log.error("%s; checkpoint at %s", reason, self._checkpoint_dir())
+        return Stop(EXIT_REWARD_ERRORS, reason)
+
+    # -- evaluation -------------------------------------------------------------
     def _request_eval(self) -> None:
         if self.rank == 0:
             self.coordinator.request_eval(self.version)
@@ -246,108 +354,9 @@ class Learner:
         with self.spans.span("eval", step=self.version):
             self._wait_together(poll)
 
-    # -- the loop ---------------------------------------------------------------
-    def run(self) -> int:
-        cfg = self.cfg
-        if self.version > 0:
-            self._sync_weights()  # resumed: actors start from the base model, give them ours
-        self._request_eval()
-        last_end = time.monotonic()
-        skipped_streak = 0
-        stop_reason, exit_code = None, 0
-        stopped = False  # by rank 0, before the step: a signal, or no data (self.halt)
-        while self.version < cfg.train.max_steps:
-            local, info = self._next_batch()
-            if local is None:
-                stopped = True
-                break
-            is_weights: list[torch.Tensor] | None = [] if self.rank == 0 else None
-            with self.spans.span("train-step", step=self.version + 1):
-                stats = train_step(cfg, self.models, local, is_weights)
-            self.skipped_total += stats["learner/skipped_steps"]
-            skipped_streak = skipped_streak + 1 if stats["learner/skipped_steps"] else 0
-            if skipped_streak and self.rank == 0:
-                log.warning("step %d: non-finite loss or gradient, %d optimizer step(s) skipped (%d in a row)",
-                            self.version + 1, stats["learner/skipped_steps"], skipped_streak)
-            stats["learner/skipped_steps"] = self.skipped_total
-            stats["learner/lr"] = self.scheduler.get_last_lr()[0]
-            # Only rank 0 sees the step's reward failures: its verdict rides on this all-reduce.
-            bad_rewards = self.rank == 0 and info["reward/error_frac"] > cfg.reward.max_error_frac
-            shared = torch.tensor([peak_rss_mb(), float(bad_rewards)], dtype=torch.float64, device=self.device)
-            dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-            stats["memory/learner_peak_rss_gb"] = float(shared[0]) / 1024
-            self.scheduler.step()
-            self.version += 1
-            if self.rank == 0:
-                # Before the publish: its broadcast can complete, and the actors ask for
-                # work at the new version, before publish() even returns (streamed buckets).
-                self.coordinator.version = self.version
-            sync_s = self._sync_weights() if self.version % cfg.sync.every == 0 else 0.0
-            if self.rank == 0:
-                now = time.monotonic()
-                interval, last_end = max(now - last_end, 1e-9), now
-                self.samples_total += int(info["samples"])
-                c = self.coordinator
-                reward_totals = c.reward_error_totals()
-                self.metrics.log({
-                    "step": self.version, "version": self.version, "train/reward_mean": info["train/reward_mean"],
-                    "train/response_len_mean": info["train/response_len_mean"],
-                    "train/response_len_max": info["train/response_len_max"],
-                    "train/truncated_frac": info["train/truncated_frac"], "train/samples": self.samples_total,
-                    **stats, "staleness/mean": info["staleness/mean"],
-                    "staleness/max": info["staleness/max"], "staleness/dropped": c.buffer.dropped,
-                    **{k: v for k, v in info.items() if k.startswith(("staleness/count_", "actors/"))},
-                    "throughput/samples_per_s": info["samples"] / interval,
-                    "throughput/gen_tokens_per_s": info["gen_tokens"] / interval,
-                    "learner/idle_frac": min(1.0, info["waited"] / interval), "sync/seconds": sync_s,
-                    "sync/broadcast_seconds": self.broadcaster.last_broadcast_s,
-                    "wire/rejected": c.rejects.total, "actors/live": c.live_actors,
-                    "data/prompts_admitted": c.admission.admitted, "data/prompts_consumed": c.buffer.consumed,
-                    "data/prompts_skipped": len(c.admission.skipped), "memory/actor_peak_rss_gb": c.actor_peak_rss_mb / 1024,
-                    "reward/error_frac": info["reward/error_frac"], "reward/errors": sum(reward_totals.values()),
-                    **{f"reward/errors_{reason}": n for reason, n in reward_totals.items()},
-                }, texts=info.get("texts"), histograms={
-                    # Importance weights of rank 0's tokens only (whole groups, 1/learner.ranks
-                    # of the batch): a fair sample of the batch, without a collective.
-                    **info["histograms"], "is/weight": torch.cat(is_weights) if is_weights else []})
-                self._log_evals()
-            if skipped_streak >= cfg.train.max_skipped_steps:
-                # Every rank counts the same streak (the skip decision is all-reduced).
-                if self.rank == 0:
-                    log.error("stopping: %d consecutive steps with a non-finite loss or gradient (last at step %d); "
-                              "weights are those of the last finite step, checkpoint at %s", skipped_streak,
-                              self.version, self.run_dir / "checkpoints" / f"step_{self.version:06d}")
-                stop_reason = (f"stopped: {skipped_streak} consecutive steps with a non-finite loss or gradient "
-                               f"(train.max_skipped_steps={cfg.train.max_skipped_steps}); the last checkpoint "
-                               f"holds the weights of the last finite step")
-                exit_code = EXIT_NONFINITE
-                break
-            if shared[1] > 0:
-                if self.rank == 0:
-                    stop_reason = (f"stopped: {info['reward/error_frac']:.0%} of step {self.version}'s samples were "
-                                   f"scored reward.fallback ({describe(info['reward_errors'])}), over "
-                                   f"reward.max_error_frac={cfg.reward.max_error_frac:g}: fix task.reward (the actor "
-                                   f"log has its first failure of each kind)")
-                    log.error("%s; checkpoint at %s", stop_reason, self.run_dir / "checkpoints" /
-                              f"step_{self.version:06d}")
-                exit_code = EXIT_REWARD_ERRORS
-                break
-            if cfg.eval.every and self.version % cfg.eval.every == 0 and self.version < cfg.train.max_steps:
-                self._request_eval()
-            if cfg.checkpoint.every and self.version % cfg.checkpoint.every == 0 and self.version < cfg.train.max_steps:
-                self._checkpoint()
-        if not stopped:
-            self._final_eval()
-        self._finish()
-        if self.rank == 0:
-            # torchrun turns a worker's nonzero exit into its own error report, so the
-            # outcome travels to the launcher in a file and every rank exits 0.
-            if self.halt is not None:
-                exit_code, stop_reason = self.halt
-            elif stopped:
-                stop_reason = f"interrupted at step {self.version}"
-            write_status(self.run_dir, exit_code, stop_reason or "finished")
-        return 0
+    # -- checkpoints and the end ------------------------------------------------
+    def _checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints" / f"step_{self.version:06d}"
 
     def _checkpoint(self) -> None:
         state = groups = None
@@ -362,8 +371,8 @@ class Learner:
             (directory / "config.yaml").write_text(to_yaml(self.cfg))
 
         with self.spans.span("checkpoint", step=self.version):
-            save_checkpoint(self.run_dir / "checkpoints" / f"step_{self.version:06d}", self._trained_parts(), state,
-                            write_extra, keep=self.cfg.checkpoint.keep)
+            save_checkpoint(self._checkpoint_dir(), self._trained_parts(), state, write_extra,
+                            keep=self.cfg.checkpoint.keep)
         if self.rank == 0:
             # After the checkpoint is complete: the trace a resumed run continues never
             # runs ahead of the checkpoint it resumes from.

@@ -1,4 +1,4 @@
-"""Wire protocol: typed messages, msgpack headers + raw array frames over zmq."""
+"""Wire protocol: typed msgspec messages, msgpack headers + raw array frames over zmq."""
 
 from .messages import (
     MESSAGE_TYPES,
@@ -17,8 +17,8 @@ from .messages import (
     WorkGrant,
     WorkRequest,
 )
-from .wire import (SCHEMA, RejectCounter, WireError, WireLimits, claimed_group, decode, encode, read_frames, recv,
-                   send)
+from .rejects import RejectCounter, WireError
+from .wire import SCHEMA, WireLimits, claimed_group, decode, encode, read_frames, recv, send
 
 __all__ = [
     "MESSAGE_TYPES",

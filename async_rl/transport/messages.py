@@ -1,16 +1,18 @@
 """Typed messages of the async-rl wire protocol.
 
-Each is a frozen dataclass with a ``KIND`` tag. :mod:`.wire` validates fields
-generically from the type hints (int, float, str, bool, list[int], list[str],
-dict[str, Any], Optional[...]) and :func:`bounded` metadata (applied per element
-for list[int]); ``np.ndarray`` fields declared with :func:`array` travel as raw
-frames. Cross-field rules live in ``check``, which returns a rejection reason.
+Each is a frozen ``msgspec.Struct`` tagged with its kind (``{"kind": "hello", ...}`` in
+the header). The field types, with their ``Meta`` constraints, are the schema: msgspec
+checks them while it decodes the header. Array fields (``Int32Vector``, ...) travel as
+raw frames (see :mod:`.wire`). Rules across fields that a schema cannot state live in
+``check``, which returns a rejection reason.
 """
 
-from dataclasses import MISSING, dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+import sys
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, NamedTuple, Optional, Union
 
+import msgspec
 import numpy as np
+from msgspec import Meta, field
 
 from ..tasks.reward_guard import REASONS, zero_counts
 from ..tracing import ACTOR_SPANS, MAX_TRACE_US, SPAN_ARG_KEYS
@@ -22,160 +24,158 @@ if TYPE_CHECKING:  # wire imports this module; avoid the cycle at run time
 # hair above zero for a near-certain token, so allow a small tolerance.
 LOGPROB_TOLERANCE = 1e-4
 
-
-def array(dtype: str, ndim: int) -> Any:
-    """Declare an ndarray field that travels as one raw frame."""
-    return field(metadata={"dtype": dtype, "ndim": ndim})
-
-
-def bounded(*, lo: float | None = None, hi: float | None = None, default: Any = MISSING,
-            default_factory: Any = MISSING) -> Any:
-    """Inclusive bounds on a numeric field, checked on decode; optionally a default
-    (a `default_factory` for a list, which a decoded message holds as a list too)."""
-    return field(default=default, default_factory=default_factory, metadata={"min": lo, "max": hi})
+# Ints must fit int64 so that numpy and torch never overflow later.
+INT64_MAX = 2**63 - 1
+Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]  # ids, versions, admission indices, counters
+Port = Annotated[int, Meta(ge=1, le=65535)]
+# Finite floats: NaN fails every comparison, and +-inf lies beyond the largest double.
+Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+NonNegative = Annotated[float, Meta(ge=0.0, le=sys.float_info.max)]
 
 
-class Message:
+class ArraySpec(NamedTuple):
+    dtype: str  # one of wire's little-endian dtypes
+    ndim: int
+
+
+# Array fields travel as one raw frame each, of this dtype and number of dimensions.
+Int32Vector = Annotated[np.ndarray, ArraySpec("int32", 1)]
+Int32Matrix = Annotated[np.ndarray, ArraySpec("int32", 2)]
+Int64Vector = Annotated[np.ndarray, ArraySpec("int64", 1)]
+Int64Matrix = Annotated[np.ndarray, ArraySpec("int64", 2)]
+Float32Vector = Annotated[np.ndarray, ArraySpec("float32", 1)]
+Float32Matrix = Annotated[np.ndarray, ArraySpec("float32", 2)]
+UInt8Vector = Annotated[np.ndarray, ArraySpec("uint8", 1)]
+UInt8Matrix = Annotated[np.ndarray, ArraySpec("uint8", 2)]
+
+
+class _Tag:
+    """``cls.KIND`` and ``msg.KIND``: the kind named once, by the class's ``tag``."""
+
+    def __get__(self, obj: Any, cls: type) -> str:
+        return cls.__struct_config__.tag
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="kind"):
     """Base class of every wire message."""
 
-    KIND: ClassVar[str] = ""
+    KIND: ClassVar[str] = _Tag()  # type: ignore[assignment]
 
     def check(self, limits: "WireLimits") -> str | None:
         """Cross-field rules; return a rejection reason, or None when valid."""
         return None
 
 
-@dataclass(frozen=True)
-class Hello(Message):
+class Hello(Message, tag="hello"):
     """actor -> hub: registration."""
 
-    KIND: ClassVar[str] = "hello"
     actor_name: str
-    pid: int = bounded(lo=0)
+    pid: Count
     host: str
 
 
-@dataclass(frozen=True)
-class Welcome(Message):
+class Welcome(Message, tag="welcome"):
     """hub -> actor: registration accepted."""
 
-    KIND: ClassVar[str] = "welcome"
-    actor_id: int = bounded(lo=0)
+    actor_id: Count
     config_yaml: str
     experience_addr: str
-    version: int = bounded(lo=0)
+    version: Count
 
 
-@dataclass(frozen=True)
-class WorkRequest(Message):
+class WorkRequest(Message, tag="work_request"):
     """actor -> hub: ask for prompt groups; ``version`` = weights it will use."""
 
-    KIND: ClassVar[str] = "work_request"
-    actor_id: int = bounded(lo=0)
-    version: int = bounded(lo=0)
-    max_groups: int = bounded(lo=0)
+    actor_id: Count
+    version: Count
+    max_groups: Count
 
 
-@dataclass(frozen=True)
-class WorkGrant(Message):
+class WorkGrant(Message, tag="work_grant"):
     """hub -> actor: admitted prompt groups, as parallel lists. The actor builds the
     same task from the run's config, so a prompt id names the prompt and its answer."""
 
-    KIND: ClassVar[str] = "work_grant"
-    groups: list[int] = bounded(lo=0)  # admission indices
-    prompt_ids: list[int] = bounded(lo=0)
+    groups: list[Count]  # admission indices
+    prompt_ids: list[Count]
 
     def check(self, limits: "WireLimits") -> str | None:
         return "shape_mismatch" if len(self.prompt_ids) != len(self.groups) else None
 
 
-@dataclass(frozen=True)
-class EvalGrant(Message):
+class EvalGrant(Message, tag="eval_grant"):
     """hub -> actor: score these held-out prompts with the weights of ``version`` (the
     actor's own) and push an EvalResult (settings: the run config's ``eval`` section)."""
 
-    KIND: ClassVar[str] = "eval_grant"
-    round: int = bounded(lo=0)
-    version: int = bounded(lo=0)
-    prompt_ids: list[int] = bounded(lo=0)
+    round: Count
+    version: Count
+    prompt_ids: list[Count]
 
 
-@dataclass(frozen=True)
-class Wait(Message):
+class Wait(Message, tag="wait"):
     """hub -> actor: nothing admissible now; ask again after ``seconds``."""
 
-    KIND: ClassVar[str] = "wait"
-    seconds: float = bounded(lo=0.0)
+    seconds: NonNegative
 
 
-@dataclass(frozen=True)
-class SyncOrder(Message):
+class SyncOrder(Message, tag="sync_order"):
     """hub -> actor: join the weight broadcast group of ``epoch`` now."""
 
-    KIND: ClassVar[str] = "sync_order"
-    epoch: int = bounded(lo=0)
-    rank: int = bounded(lo=0)
-    world_size: int = bounded(lo=1)
+    epoch: Count
+    rank: Count
+    world_size: Annotated[int, Meta(ge=1, le=INT64_MAX)]
     store_host: str
-    store_port: int = bounded(lo=1, hi=65535)
-    version: int = bounded(lo=0)
+    store_port: Port
+    version: Count
 
     def check(self, limits: "WireLimits") -> str | None:
         return "bad_value" if self.rank >= self.world_size else None
 
 
-@dataclass(frozen=True)
-class SyncDone(Message):
+class SyncDone(Message, tag="sync_done"):
     """actor -> hub: weights of ``version`` loaded."""
 
-    KIND: ClassVar[str] = "sync_done"
-    actor_id: int = bounded(lo=0)
-    epoch: int = bounded(lo=0)
-    version: int = bounded(lo=0)
+    actor_id: Count
+    epoch: Count
+    version: Count
 
 
-@dataclass(frozen=True)
-class Heartbeat(Message):
+class Heartbeat(Message, tag="heartbeat"):
     """actor -> hub: still alive."""
 
-    KIND: ClassVar[str] = "heartbeat"
-    actor_id: int = bounded(lo=0)
-    version: int = bounded(lo=0)
-    generated_groups: int = bounded(lo=0)
-    peak_rss_mb: float = bounded(lo=0.0, default=0.0)  # the actor process's peak resident memory
+    actor_id: Count
+    version: Count
+    generated_groups: Count
+    peak_rss_mb: NonNegative = 0.0  # the actor process's peak resident memory
 
 
-@dataclass(frozen=True)
-class Goodbye(Message):
+class Goodbye(Message, tag="goodbye"):
     """Either direction: stop."""
 
-    KIND: ClassVar[str] = "goodbye"
     reason: str
-    actor_id: int = bounded(lo=-1, default=-1)  # set by an actor that leaves, so the hub re-issues its prompts at once
+    # Set by an actor that leaves, so the hub re-issues its prompts at once.
+    actor_id: Annotated[int, Meta(ge=-1, le=INT64_MAX)] = -1
     rejoin: bool = False  # hub -> actor: you were removed (silent too long, or disconnected); register again
 
 
-# eq=False: the generated __eq__ would compare ndarrays, whose truth is ambiguous.
-@dataclass(frozen=True, eq=False)
-class ExperienceGroup(Message):
+# eq=False: a generated __eq__ would compare ndarrays, whose truth is ambiguous.
+class ExperienceGroup(Message, tag="experience_group", eq=False):
     """actor -> learner: ONE prompt group (G responses, right-padded to T)."""
 
-    KIND: ClassVar[str] = "experience_group"
-    actor_id: int = bounded(lo=0)
-    group: int = bounded(lo=0)  # admission index
-    prompt_id: int = bounded(lo=0)
-    version: int = bounded(lo=0)  # oldest token version in the group
-    prompt_tokens: np.ndarray = array("int32", 1)  # [P]
-    response_tokens: np.ndarray = array("int32", 2)  # [G, T], padded with pad id
-    response_lengths: np.ndarray = array("int32", 1)  # [G]
-    logprobs: np.ndarray = array("float32", 2)  # [G, T], sampling distribution
-    token_versions: np.ndarray = array("int32", 2)  # [G, T]
-    rewards: np.ndarray = array("float32", 1)  # [G]
-    truncated: np.ndarray = array("uint8", 1)  # [G] 1 = cut at the length limit (no stop token)
-    gen_seconds: float = bounded(lo=0.0)
-    greedy_reward: Optional[float] = None  # ReMax baseline, when computed
+    actor_id: Count
+    group: Count  # admission index
+    prompt_id: Count
+    version: Count  # oldest token version in the group
+    prompt_tokens: Int32Vector  # [P]
+    response_tokens: Int32Matrix  # [G, T], padded with pad id
+    response_lengths: Int32Vector  # [G]
+    logprobs: Float32Matrix  # [G, T], sampling distribution
+    token_versions: Int32Matrix  # [G, T]
+    rewards: Float32Vector  # [G]
+    truncated: UInt8Vector  # [G] 1 = cut at the length limit (no stop token)
+    gen_seconds: NonNegative
+    greedy_reward: Optional[Finite] = None  # ReMax baseline, when computed
     # Samples (and the greedy baseline) scored reward.fallback, per reward_guard.REASONS.
-    reward_errors: list[int] = bounded(lo=0, default_factory=zero_counts)
+    reward_errors: list[Count] = field(default_factory=zero_counts)
 
     def check(self, limits: "WireLimits") -> str | None:
         g, t = self.response_tokens.shape
@@ -213,19 +213,17 @@ class ExperienceGroup(Message):
         return None
 
 
-@dataclass(frozen=True, eq=False)
-class EvalResult(Message):
+class EvalResult(Message, tag="eval_result", eq=False):
     """actor -> learner: the scores of one EvalGrant, ``k`` samples per prompt."""
 
-    KIND: ClassVar[str] = "eval_result"
-    actor_id: int = bounded(lo=0)
-    round: int = bounded(lo=0)
-    version: int = bounded(lo=0)
-    prompt_ids: list[int] = bounded(lo=0)
-    rewards: np.ndarray = array("float32", 2)  # [n, k]
-    response_lengths: np.ndarray = array("int32", 2)  # [n, k]
-    truncated: np.ndarray = array("uint8", 2)  # [n, k]
-    reward_errors: list[int] = bounded(lo=0, default_factory=zero_counts)  # as ExperienceGroup's
+    actor_id: Count
+    round: Count
+    version: Count
+    prompt_ids: list[Count]
+    rewards: Float32Matrix  # [n, k]
+    response_lengths: Int32Matrix  # [n, k]
+    truncated: UInt8Matrix  # [n, k]
+    reward_errors: list[Count] = field(default_factory=zero_counts)  # as ExperienceGroup's
 
     def check(self, limits: "WireLimits") -> str | None:
         shape = (len(self.prompt_ids), self.rewards.shape[1])
@@ -240,18 +238,16 @@ class EvalResult(Message):
         return None
 
 
-@dataclass(frozen=True, eq=False)
-class TraceSpans(Message):
+class TraceSpans(Message, tag="trace_spans", eq=False):
     """actor -> hub, from the heartbeat thread: timeline spans recorded since the last
     shipment, as parallel arrays (see async_rl/tracing.py)."""
 
-    KIND: ClassVar[str] = "trace_spans"
-    actor_id: int = bounded(lo=0)
-    dropped: int = bounded(lo=0)  # spans the actor had to drop since the last shipment (buffer full)
+    actor_id: Count
+    dropped: Count  # spans the actor had to drop since the last shipment (buffer full)
     names: list[str]  # each one of tracing.ACTOR_SPANS
-    start_us: np.ndarray = array("int64", 1)  # [n] wall clock, microseconds since the epoch
-    dur_us: np.ndarray = array("int64", 1)  # [n] microseconds
-    args: np.ndarray = array("int64", 2)  # [n, len(tracing.SPAN_ARG_KEYS)], -1 = not set
+    start_us: Int64Vector  # [n] wall clock, microseconds since the epoch
+    dur_us: Int64Vector  # [n] microseconds
+    args: Int64Matrix  # [n, len(tracing.SPAN_ARG_KEYS)], -1 = not set
 
     def check(self, limits: "WireLimits") -> str | None:
         n = len(self.names)
@@ -270,3 +266,4 @@ class TraceSpans(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {cls.KIND: cls for cls in (
     Hello, Welcome, WorkRequest, WorkGrant, EvalGrant, Wait, SyncOrder, SyncDone, Heartbeat, Goodbye,
     ExperienceGroup, EvalResult, TraceSpans)}
+AnyMessage = Union[tuple(MESSAGE_TYPES.values())]  # the tagged union one decoder reads

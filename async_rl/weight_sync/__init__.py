@@ -1,38 +1,33 @@
 """Weight sync from learner rank 0 to the actors.
 
+Parameters travel in flat buckets of `sync.bucket_mb`, grouped by dtype, in
+`named_parameters()` order, which both sides derive from the same architecture
+(plan.py). Rank 0 never waits for actors: `WeightBroadcaster.publish` copies the
+gathered weights into a free bucket set (bucket_sets.py) and a background thread sends
+it while training goes on (broadcaster.py). Actors join at their next safe point;
+their parameters are views of their own buckets (receiver.py).
+
 The actors are not members of the torchrun world, so each membership epoch gets its
-own process group {learner rank 0 = rank 0, actors = ranks 1..n}, rendezvoused through
-a TCPStore that rank 0 hosts (`transport.store_port`), under a per-epoch key prefix:
-gloo on CPU, NCCL on GPU, and for an actor on the learner's own GPU a CUDA-IPC copy
-(`sync.transport`, see transports.py). Parameters travel in flat buckets of
-`sync.bucket_mb`, grouped by dtype, in `named_parameters()` order, which both sides
-derive from the same architecture (plan.py).
-
-Rank 0 never waits for actors: `publish` copies the gathered weights into a free
-bucket set and returns; a background thread sends it while training goes on (double
-buffering; broadcaster.py): down a pipelined chain of the members on gloo, one NCCL
-broadcast per bucket on GPUs (schedule.py). Actors join at their next safe point;
-their parameters are views of their own buckets, so the buckets land in them without
-a copy (receiver.py).
-
-A new epoch's group is only built once every member has announced itself in the store
-and rank 0 has written its decision ("go" or "abandon"): gloo's own rendezvous cannot
-be interrupted, so a member that died would otherwise hold everyone for the full
-`sync.timeout_s`; this way a membership change (a dead actor reaped, a new one joined)
-releases the waiting members at once. Rank 0 alone decides, so all members agree
-(rendezvous.py).
-
-Actors on vLLM (`WeightBroadcaster(engine="vllm")`, actors.engine=vllm) take the same
-handshake, then vLLM's own NCCL weight-transfer group, which rank 0 hosts on a fresh
-port per epoch; the buckets are then in vLLM's packed layout (vllm_trainer.py,
-engines/vllm_weights.py).
+own groups, opened by one handshake through a TCPStore that rank 0 hosts
+(`transport.store_port`): every member announces itself, rank 0 alone decides "go" or
+"abandon", then the groups form (handshake.py, epochs.py; the store's typed records in
+records.py). How the buckets then travel is a transport behind one interface
+(base.py), chosen by name (transports.py, `sync.transport`): a pipelined chain on gloo
+(gloo_chain.py), one broadcast per bucket on NCCL (nccl.py), a device-to-device copy
+for an actor on the learner's own GPU (cuda_ipc.py), vLLM's weight-transfer API for
+actors on the vLLM engine (vllm.py, vllm_api.py).
 """
+from .base import WeightTransport
 from .broadcaster import WeightBroadcaster
+from .collective import broadcast, new_group
+from .epochs import EpochPlan, SyncJob, plan_epoch
+from .errors import EpochRejected, SyncAbandoned, describe
 from .plan import Bucket, BucketEntry, alias_into_buckets, plan_buckets, plan_packed
 from .receiver import WeightReceiver
-from .rendezvous import EpochPlan, EpochRejected, SyncAbandoned, SyncJob, broadcast, describe, new_group, plan_epoch
-from .transports import TRANSPORTS, choose_transport
+from .transports import TRANSPORTS, choose_transport, transport_named
+from .vllm import VLLMWeightReceiver
 
 __all__ = ["Bucket", "BucketEntry", "EpochPlan", "EpochRejected", "SyncAbandoned", "SyncJob", "TRANSPORTS",
-           "WeightBroadcaster", "WeightReceiver", "alias_into_buckets", "broadcast", "choose_transport", "describe",
-           "new_group", "plan_buckets", "plan_epoch", "plan_packed"]
+           "VLLMWeightReceiver", "WeightBroadcaster", "WeightReceiver", "WeightTransport", "alias_into_buckets",
+           "broadcast", "choose_transport", "describe", "new_group", "plan_buckets", "plan_epoch", "plan_packed",
+           "transport_named"]

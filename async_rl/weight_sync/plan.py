@@ -9,6 +9,8 @@ from typing import Iterable
 
 import torch
 
+Spec = tuple[str, tuple[int, ...], torch.dtype]  # (name, shape, dtype) of one parameter, in send order
+
 
 @dataclass(frozen=True)
 class BucketEntry:
@@ -25,7 +27,7 @@ class Bucket:
     entries: tuple[BucketEntry, ...]
 
 
-def plan_buckets(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> list[Bucket]:
+def plan_buckets(specs: Iterable[Spec], bucket_bytes: int) -> list[Bucket]:
     """Pack parameters, in order, into flat same-dtype buckets of at most `bucket_bytes`
     (a tensor larger than that gets a bucket of its own)."""
     buckets: list[Bucket] = []
@@ -55,15 +57,14 @@ def plan_buckets(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], buck
 
 # The broadcaster sends bucket i while publish copies bucket i+1, so the copy of the
 # first bucket is the one cost nothing hides. A model of one or two `sync.bucket_mb`
-# buckets would pay most of its copy unhidden (analysis/bench_sync.py, 12 MiB on CPU:
-# 0.73 of a flat broadcast in one bucket); it gets smaller buckets instead, at least
-# PIPELINE_BUCKETS of them, none under MIN_PIPELINE_BUCKET_BYTES (below that a
-# collective's fixed cost outweighs the overlap).
+# buckets would pay most of its copy unhidden (analysis/bench_sync.py measures it); it
+# gets smaller buckets instead, at least PIPELINE_BUCKETS of them, none under
+# MIN_PIPELINE_BUCKET_BYTES (below that a collective's fixed cost outweighs the overlap).
 PIPELINE_BUCKETS = 4
 MIN_PIPELINE_BUCKET_BYTES = 2**20
 
 
-def sync_bucket_bytes(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], bucket_mb: float) -> int:
+def sync_bucket_bytes(specs: Iterable[Spec], bucket_mb: float) -> int:
     """The bucket size both ends of a torch-engine sync plan with: `sync.bucket_mb`, or
     less for a model too small to fill PIPELINE_BUCKETS of them."""
     limit = int(bucket_mb * 2**20)
@@ -71,7 +72,7 @@ def sync_bucket_bytes(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
     return max(min(limit, math.ceil(total / PIPELINE_BUCKETS)), min(limit, MIN_PIPELINE_BUCKET_BYTES))
 
 
-def plan_packed(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], buffer_bytes: int) -> list[Bucket]:
+def plan_packed(specs: Iterable[Spec], buffer_bytes: int) -> list[Bucket]:
     """vLLM's packed wire layout (its packed_tensor.py): uint8 chunks, tensors of any dtype
     concatenated in order, a chunk closing right *after* the tensor that takes it past
     `buffer_bytes`. Entry offsets and sizes are in bytes. The learner fills these
@@ -91,7 +92,7 @@ def plan_packed(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], buffe
     return buckets
 
 
-def layout_id(specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], buffer_bytes: int) -> str:
+def layout_id(specs: Iterable[Spec], buffer_bytes: int) -> str:
     """Short fingerprint of a packed wire layout (shapes, dtypes, buffer size; not names,
     which may differ by a wrapper prefix): a vLLM member announces its own, and rank 0
     refuses a mismatch, which NCCL would otherwise turn into a hang or garbage."""
@@ -107,8 +108,7 @@ def alias_into_buckets(params: dict[str, torch.Tensor], plan: list[Bucket]) -> l
     """Move every parameter's values into fresh per-bucket flat tensors and make the
     parameter a view of its slice (`param.data = ...`: the same Python object, so the
     module, and every module sharing a tied parameter, sees it). A broadcast into the
-    bucket then lands directly in the parameters: no receive buffer, no copy-out
-    (analysis/bench_sync.py: the copy-out cost ~0.3 of the flat-buffer bandwidth on CPU).
+    bucket then lands directly in the parameters: no receive buffer, no copy-out.
     The old storage is freed, so this costs no memory beyond one bucket's worth at a time."""
     buckets = []
     with torch.no_grad():

@@ -1,20 +1,37 @@
-"""Which way the weights reach one actor: `sync.transport` = auto | gloo | nccl | cuda_ipc.
+"""Which transport carries the weights to each actor, by name.
 
-auto: gloo on CPU; on CUDA, a CUDA-IPC copy when the actor shares the learner's
-physical GPU (same host, same GPU UUID: NCCL refuses two ranks on one device), NCCL
-otherwise. Rank 0 publishes the configured transport, its group's backend and its own
-identity in the store (`transport`, msgpack); each actor decides for itself from that,
-and every actor that receives by collective uses rank 0's backend.
+`sync.transport` = auto | gloo | nccl | cuda_ipc. auto: gloo on CPU; on CUDA, a
+CUDA-IPC copy when the actor shares the learner's physical GPU (same host, same GPU
+UUID: NCCL refuses two ranks on one device), NCCL otherwise. Rank 0 publishes the
+configured transport, its group's backend and its own identity in the store
+(`LearnerInfo`); each actor decides for itself from that, and every actor that
+receives by collective uses rank 0's backend. Actors on the vLLM engine always take
+vLLM's own transport (`actors.engine=vllm`).
 """
 from __future__ import annotations
 
 import socket
 
-import msgpack
 import torch
 
-TRANSPORTS = ("auto", "gloo", "nccl", "cuda_ipc")
-TRANSPORT_KEY = "transport"
+from . import cuda_ipc, gloo_chain, nccl, vllm
+from .base import WeightTransport
+from .records import LearnerInfo
+
+TRANSPORTS = ("auto", "gloo", "nccl", "cuda_ipc")  # the choices of sync.transport
+_BY_NAME = {t.name: t for t in (gloo_chain.TRANSPORT, nccl.TRANSPORT, cuda_ipc.TRANSPORT, vllm.TRANSPORT)}
+
+
+def transport_named(name: str) -> WeightTransport:
+    return _BY_NAME[name]
+
+
+def served(engine: str, backend: str, bucket_device: torch.device) -> tuple[str, ...]:
+    """The transports rank 0 serves, in the order a sync goes out: vLLM's alone for a
+    vLLM run; else its group's backend, then CUDA IPC where its buckets are on a GPU."""
+    if engine == "vllm":
+        return ("vllm",)
+    return (backend, "cuda_ipc") if bucket_device.type == "cuda" else (backend,)
 
 
 def gpu_identity(device: torch.device) -> str | None:
@@ -50,23 +67,10 @@ def choose_transport(requested: str, device: torch.device, *, learner_backend: s
     return learner_backend  # gloo takes CUDA tensors too (a CPU learner, GPU actors)
 
 
-def encode_learner_info(requested: str, backend: str, device: torch.device) -> bytes:
-    return msgpack.packb({"transport": requested, "backend": backend, "host": socket.gethostname(),
-                          "gpu": gpu_identity(device)})
+def learner_info(requested: str, backend: str, device: torch.device) -> LearnerInfo:
+    return LearnerInfo(requested, backend, socket.gethostname(), gpu_identity(device))  # type: ignore[arg-type]
 
 
-def decode_learner_info(raw: bytes) -> dict:
-    """Rank 0's entry, checked field by field (network input; msgpack, never pickle)."""
-    info = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=0, max_array_len=0, max_map_len=8,
-                           max_str_len=4096)
-    if (not isinstance(info, dict) or info.get("transport") not in TRANSPORTS or info.get("backend") not in ("gloo", "nccl")
-            or not isinstance(info.get("host"), str)
-            or not isinstance(info.get("gpu"), (str, type(None)))):
-        raise ValueError("malformed transport entry in the sync store")
-    return info
-
-
-def own_choice(raw_learner_info: bytes, device: torch.device) -> str:
-    info = decode_learner_info(raw_learner_info)
-    return choose_transport(info["transport"], device, learner_backend=info["backend"], learner_host=info["host"],
-                            learner_gpu=info["gpu"], host=socket.gethostname(), gpu=gpu_identity(device))
+def own_choice(info: LearnerInfo, device: torch.device) -> str:
+    return choose_transport(info.transport, device, learner_backend=info.backend, learner_host=info.host,
+                            learner_gpu=info.gpu, host=socket.gethostname(), gpu=gpu_identity(device))

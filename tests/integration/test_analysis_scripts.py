@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import read_metrics, subprocess_env, train
 
+from async_rl.run_dir import RunDir
+
 ROOT = Path(__file__).resolve().parents[2]
 STALENESS = ROOT / "analysis/staleness.py"
 THROUGHPUT = ROOT / "analysis/throughput.py"
@@ -318,8 +320,7 @@ def import_analysis(name: str):
 
 def test_time_shares_of_a_hand_written_trace(hand_run):
     throughput = import_analysis("throughput")
-    rundata = import_analysis("rundata")
-    spans = rundata.read_trace(hand_run / "trace.json")
+    spans = RunDir(hand_run).trace()
     roles = throughput.role_shares(spans)
     assert roles["learner"]["tracks"] == 1 and roles["learner"]["wall"] == pytest.approx(0.5)
     # (Epoch seconds in a float resolve ~0.2 us: hence abs=1e-5 on shares of a 0.5 s track.)

@@ -8,16 +8,17 @@ import time
 
 import numpy as np
 import zmq
+from msgspec.structs import replace
 from conftest import ROOT, kill_tree, read_metrics, subprocess_env
 from wire_samples import CASES, make_group
 
-from async_rl.transport import ExperienceGroup, WorkRequest, encode
+from async_rl.transport import WorkRequest, encode
 
 # Well-formed messages the coordinator's state must refuse.
 STATEFUL = {
     "unknown_actor": encode(WorkRequest(actor_id=999, version=0, max_groups=4)),
     "future_version": encode(WorkRequest(actor_id=0, version=10**6, max_groups=4)),
-    "not_granted": encode(ExperienceGroup(**{**make_group().__dict__, "actor_id": 999, "group": 10**6})),
+    "not_granted": encode(replace(make_group(), actor_id=999, group=10**6)),
 }
 
 

@@ -1,11 +1,12 @@
 """launch/learner.sh (torchrun with c10d rendezvous, 2 ranks, one node on loopback) and
 launch/actors.sh (1 actor) as real processes: a few steps, clean exits, no orphans."""
-import json
 import socket
 import subprocess
 import time
 
 from conftest import ROOT, alive, kill_tree, read_metrics, subprocess_env
+
+from async_rl.run_dir import RunDir
 
 
 def _free_port() -> int:
@@ -35,11 +36,10 @@ def test_learner_and_actor_scripts_train_a_few_steps(tmp_path, demo_model):
     seen: set[int] = set()
     try:
         deadline = time.time() + 60
-        while not (run / "endpoints.json").exists():
+        while (endpoints := RunDir(run).endpoints()) is None:
             assert learner.poll() is None, learner.stdout.read()[-3000:]
             assert time.time() < deadline, "no endpoints.json within 60 s"
             time.sleep(0.1)
-        endpoints = json.loads((run / "endpoints.json").read_text())
         assert endpoints["hub"].startswith("tcp://127.0.0.1:")
         assert endpoints["store"] == f"127.0.0.1:{store_port}"
         seen |= _descendants(learner.pid)
@@ -61,8 +61,8 @@ def test_learner_and_actor_scripts_train_a_few_steps(tmp_path, demo_model):
     steps, _ = read_metrics(run)
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert steps[-1]["actors/live"] == 1
-    assert "learner:\n  ranks: 2\n" in (run / "config.yaml").read_text()
-    assert json.loads((run / "status.json").read_text())["exit_code"] == 0
+    assert RunDir(run).config()["learner"]["ranks"] == 2
+    assert RunDir(run).status()["exit_code"] == 0
     assert (run / "final" / "config.json").exists()
     assert actors.returncode == 0, actor_out[-3000:]
     assert "(test-0)" in actor_out and "leaving" in actor_out
@@ -100,4 +100,4 @@ exec {sys.executable} "$@"
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "learner.sh: stopped: 3 non-finite steps" in proc.stderr
-    assert (run / "config.yaml").exists()
+    assert RunDir(run).config_path.exists()

@@ -86,7 +86,7 @@ def test_sigkilled_job_resumes_from_its_last_checkpoint(tmp_path, demo_model):
 
 
 def test_buffer_file_round_trips_groups_in_wire_format(tmp_path):
-    from test_wire import make_group
+    from wire_samples import make_group
 
     groups = [(5, 2, make_group()), (7, 3, make_group())]
     write_groups(tmp_path / "b", groups)

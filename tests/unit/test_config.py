@@ -34,11 +34,33 @@ def test_yaml_round_trip():
     ("train.ppo.is_mode=drop", "train.ppo.is_mode:"),
     ("train.ppo.log_ratio_clamp=0", "train.ppo.log_ratio_clamp:"),
     ("train.kl.clamp=-1", "train.kl.clamp:"),
+    ("train.advantage=ppo", "train.advantage:"),
+    ("train.agg=token-max", "train.agg:"),
+    ("train.kl.estimator=k4", "train.kl.estimator:"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:
         load_config(ROOT / "configs/demo.yaml", override.split())
     assert str(err.value).startswith(key) and "\n" not in str(err.value)
+
+
+def test_algorithm_choices_are_the_registries():
+    """Adding an entry to a registry adds a valid config value."""
+    from typing import get_args
+
+    from async_rl.algorithms import ADVANTAGES, AGG_MODES, IS_MODES, KL_KINDS, LOSSES
+    from async_rl.config import KLConfig, PPOConfig, TrainConfig
+
+    def choices(section, key):
+        return get_args(section.model_fields[key].annotation)
+
+    assert choices(TrainConfig, "loss") == tuple(LOSSES) and choices(TrainConfig, "advantage") == tuple(ADVANTAGES)
+    assert choices(TrainConfig, "agg") == AGG_MODES and choices(PPOConfig, "is_mode") == IS_MODES
+    assert choices(KLConfig, "estimator") == KL_KINDS
+    for loss in LOSSES:
+        for advantage in ADVANTAGES:
+            if loss == "ppo" or advantage not in ("remax", "gae"):
+                assert load_config(None, [f"train.loss={loss}", f"train.advantage={advantage}"]).train.loss == loss
 
 
 def test_clamp_and_is_mode_defaults_and_overrides():

@@ -1,24 +1,22 @@
 """The timeline (async_rl/tracing.py): bounded span recorders, the Chrome-trace file that
-analysis/rundata.py reads, actors' spans shipped over the wire and accepted (or
-rejected and counted) by a real coordinator."""
+the run reader (async_rl/run_dir.py) reads, actors' spans shipped over the wire and
+accepted (or rejected and counted) by a real coordinator."""
 import json
-import sys
 import time
 
 import numpy as np
 import pytest
 import zmq
-from conftest import ROOT, running_coordinator
+from conftest import running_coordinator
 from conftest import ask, dealer, wait_for
 from wire_samples import make_spans
 
 from async_rl.roles.actor import _ship_spans
+from async_rl.run_dir import read_trace
 from async_rl.tracing import (ACTOR_SPANS, SPAN_ARG_KEYS, Span, SpanRecorder, TraceWriter, WaitSpan,
                               spans_from_arrays, spans_to_arrays)
 from async_rl.transport import Hello, RejectCounter, TraceSpans, WireLimits, encode, recv, send
 
-sys.path.insert(0, str(ROOT / "analysis"))
-from rundata import read_trace  # noqa: E402  (analysis scripts import their sibling module this way)
 
 
 # ------------------------------------------------------------------ recorder
@@ -90,7 +88,7 @@ def test_spans_travel_as_arrays_and_only_known_args_leave_the_process():
 # ------------------------------------------------------------------ trace.json
 
 
-def test_trace_file_is_chrome_trace_json_that_rundata_reads(tmp_path):
+def test_trace_file_is_chrome_trace_json_that_the_run_reader_reads(tmp_path):
     writer = TraceWriter(tmp_path / "trace.json")
     writer.learner.record("train-step", 1_000_000, 250_000, {"step": 1})
     names, start, dur, args = spans_to_arrays([Span("generate", 1_100_000, 50_000, {"groups": 4, "tokens": 40})])

@@ -71,7 +71,7 @@ def ref_ppo(logp, prox, behav, adv, mask, *, eps_low, eps_high, is_cap, decouple
     logp = logp.detach()
     loss, grad = 0.0, [[0.0] * T for _ in range(B)]
     n_clip = n_low = n_high = n_dual = n_capped = 0
-    ws, ratios, kls = [], [], []
+    ws, ratios = [], []
     coef = agg_coef(mask, agg)
     for (b, s), c in coef.items():
         lp, px, bh = float(logp[b, s]), float(prox[b, s]), float(behav[b, s])
@@ -100,16 +100,23 @@ def ref_ppo(logp, prox, behav, adv, mask, *, eps_low, eps_high, is_cap, decouple
         n_high += clipped and r > 1
         ws.append(w)
         ratios.append(r)
-        kls.append(k3(bh - px))  # k3 with d = logp_behav - logp_prox
     n = len(coef)
     stats = {
-        "clip_frac": n_clip / n, "clip_frac_low": n_low / n, "clip_frac_high": n_high / n,
-        "dual_clip_frac": n_dual / n,
-        "is/ess": sum(ws) ** 2 / (n * sum(w * w for w in ws)) if decoupled else 1.0,
-        "is/capped_frac": n_capped / n, "is/weight_mean": sum(ws) / n,
-        "mismatch_kl": sum(kls) / n, "ratio_mean": sum(ratios) / n,
+        "is/clip_frac": n_clip / n, "is/clip_frac_low": n_low / n, "is/clip_frac_high": n_high / n,
+        "is/dual_clip_frac": n_dual / n, "is/capped_frac": n_capped / n, "is/weight_mean": sum(ws) / n,
+        "is/ratio_mean": sum(ratios) / n,
     }
     return t(loss), t(grad), stats
+
+
+def ref_off_policy(prox, behav, mask):
+    """is/ess = (sum w)^2 / (N sum w^2) of the raw weights w = exp(prox - behav) and
+    is/mismatch_kl = mean k3 with d = logp_behav - logp_prox, over the N response tokens."""
+    B, T = mask.shape
+    pairs = [(float(prox[b, s]), float(behav[b, s])) for b in range(B) for s in resp(mask, b)]
+    ws = [math.exp(px - bh) for px, bh in pairs]
+    return {"is/ess": sum(ws) ** 2 / (len(ws) * sum(w * w for w in ws)),
+            "is/mismatch_kl": sum(k3(bh - px) for px, bh in pairs) / len(pairs)}
 
 
 def ref_opmd(logp, behav, mask, rewards, group, *, tau, length_norm):

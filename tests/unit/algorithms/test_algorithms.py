@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from async_rl.algorithms import (
+    LOSSES,
     agg_denominator,
     aggregate,
     group_advantages,
     kl_estimate,
+    off_policy_figures,
     opmd_loss,
     ppo_clip_loss,
     reinforce_pp_advantages,
@@ -24,6 +26,12 @@ D = torch.float64
 
 def t(x) -> torch.Tensor:
     return torch.tensor(x, dtype=D)
+
+
+def off_policy(prox, behav, mask) -> dict[str, float]:
+    """The learner's is/ess and is/mismatch_kl of one batch."""
+    _, figures = off_policy_figures(prox, behav, mask)
+    return {key: figure.value() for key, figure in figures.items()}
 
 
 # ---------------------------------------------------------------- random padded batches
@@ -281,10 +289,10 @@ def test_ppo_naive_hand():
     # token-mean = (-1.2 - 0.7 - 1.0 + 0.8 + 1.3) / 5 = -0.16
     loss, st = ppo_clip_loss(logp, behav, behav, t([1.0, -1.0]), mask, decoupled=False)
     assert loss.item() == pytest.approx(-0.16)
-    assert st["clip_frac"] == pytest.approx(0.4)
-    assert st["clip_frac_low"] == pytest.approx(0.2) and st["clip_frac_high"] == pytest.approx(0.2)
-    assert st["ratio_mean"] == pytest.approx(1.0)  # (1.5 + 0.7 + 1 + 0.5 + 1.3) / 5
-    assert st["is/ess"] == 1.0 and st["is/weight_mean"] == 1.0
+    assert st["is/clip_frac"] == pytest.approx(0.4)
+    assert st["is/clip_frac_low"] == pytest.approx(0.2) and st["is/clip_frac_high"] == pytest.approx(0.2)
+    assert st["is/ratio_mean"] == pytest.approx(1.0)  # (1.5 + 0.7 + 1 + 0.5 + 1.3) / 5
+    assert st["is/weight_mean"] == 1.0
     # d loss / d logp_t = -A * r / 5 on unclipped tokens, 0 on clipped ones
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.allclose(grad, t([[0.0, -0.7 / 5, -1.0 / 5], [0.0, 1.3 / 5, 0.0]]))
@@ -301,10 +309,12 @@ def test_ppo_decoupled_hand_is_weights():
     assert loss.item() == pytest.approx(-0.5)
     assert st["is/capped_frac"] == pytest.approx(0.5)
     assert st["is/weight_mean"] == pytest.approx(1.25)
-    assert st["is/ess"] == pytest.approx(2.5**2 / (2 * (4 + 0.25)))  # 0.735294
+    assert st["is/clip_frac"] == 0.0 and st["is/ratio_mean"] == pytest.approx(1.0)
+    # The logged ESS is of the raw weights 3 and 0.5, not of the capped ones the loss applies
+    off = off_policy(prox, behav, torch.ones(1, 2))
+    assert off["is/ess"] == pytest.approx(3.5**2 / (2 * (9 + 0.25)))  # 0.662162
     # k3 of KL(behav||prox), d = behav - prox: (3 - 1 - ln 3 + 0.5 - 1 + ln 2) / 2
-    assert st["mismatch_kl"] == pytest.approx((3 - 1 - math.log(3) + 0.5 - 1 + math.log(2)) / 2)
-    assert st["clip_frac"] == 0.0 and st["ratio_mean"] == pytest.approx(1.0)
+    assert off["is/mismatch_kl"] == pytest.approx((3 - 1 - math.log(3) + 0.5 - 1 + math.log(2)) / 2)
 
 
 def test_ppo_zero_staleness_equals_standard_ppo():
@@ -319,7 +329,8 @@ def test_ppo_zero_staleness_equals_standard_ppo():
     (g_naive,) = torch.autograd.grad(naive, logp)
     assert torch.allclose(g_dec, g_naive)
     assert torch.allclose(g_dec[m], -adv[m] / m.sum())
-    assert st["is/ess"] == pytest.approx(1.0) and st["clip_frac"] == 0.0 and st["mismatch_kl"] == 0.0
+    assert st["is/clip_frac"] == 0.0 and st["is/weight_mean"] == pytest.approx(1.0)
+    assert off_policy(cur, cur, mask) == {"is/ess": pytest.approx(1.0), "is/mismatch_kl": 0.0}
 
 
 def test_ppo_decoupled_equals_naive_when_prox_is_behav():
@@ -347,13 +358,13 @@ def test_ppo_asymmetric_eps():
     # A > 0, r = 1.25: clipped at 1.2 with eps_high=0.2, free with eps_high=0.28 (clip-higher)
     l_a, s_a = ppo_clip_loss(up, zero, zero, t([1.0]), mask, eps_high=0.2, decoupled=False)
     l_b, s_b = ppo_clip_loss(up, zero, zero, t([1.0]), mask, eps_high=0.28, decoupled=False)
-    assert l_a.item() == pytest.approx(-1.2) and s_a["clip_frac_high"] == 1.0
-    assert l_b.item() == pytest.approx(-1.25) and s_b["clip_frac"] == 0.0
+    assert l_a.item() == pytest.approx(-1.2) and s_a["is/clip_frac_high"] == 1.0
+    assert l_b.item() == pytest.approx(-1.25) and s_b["is/clip_frac"] == 0.0
     # A < 0, r = 0.75: eps_low=0.2 -> clipped at 0.8 (loss 0.8); eps_low=0.3 -> free (loss 0.75)
     down = t([[math.log(0.75)]])
     l_c, s_c = ppo_clip_loss(down, zero, zero, t([-1.0]), mask, eps_low=0.2, eps_high=0.28, decoupled=False)
     l_d, _ = ppo_clip_loss(down, zero, zero, t([-1.0]), mask, eps_low=0.3, decoupled=False)
-    assert l_c.item() == pytest.approx(0.8) and s_c["clip_frac_low"] == 1.0
+    assert l_c.item() == pytest.approx(0.8) and s_c["is/clip_frac_low"] == 1.0
     assert l_d.item() == pytest.approx(0.75)
 
 
@@ -370,7 +381,7 @@ def test_ppo_matches_loop_reference(agg, decoupled):
         assert torch.allclose(loss, ref) and torch.allclose(g, g_ref)
         assert torch.isfinite(g).all() and (g[mask == 0] == 0).all()
         assert all(math.isfinite(v) for v in stats.values())
-        assert 0.0 < stats["is/ess"] <= 1.0
+    assert 0.0 < off_policy(prox, behav, mask)["is/ess"] <= 1.0
 
 
 # ---------------------------------------------------------------- OPMD
@@ -390,7 +401,7 @@ def test_opmd_hand_non_contiguous_groups():
     loss, st = opmd_loss(logp, behav, mask, rewards, group, tau=0.5)
     assert loss.item() == pytest.approx(expected)
     assert st["opmd/residual_mean"] == pytest.approx((0.5 - 0.3 + 5 / 6 + 1 / 3 + 1 / 3) / 5)
-    assert st["opmd/groups"] == 2.0
+    assert LOSSES["opmd"].units(mask, group, "token-mean") == 2.0  # the loss is a mean over 2 groups
     # d loss / d logp_t = (1/G)(1/k) * 2 * residual * (-tau) on response tokens
     (grad,) = torch.autograd.grad(loss, logp)
     g5, g2 = -0.5 * 2 / 2 / 2, -0.5 * 2 / 3 / 2

@@ -244,12 +244,12 @@ def test_value_loss_hand(agg):
     expected = torch.zeros(3, 3, dtype=D)
     expected[0], expected[1, 0] = g0 * c0, g1 * c1
     close(grad_of(loss, values), expected)
-    assert st["value_clip_frac"] == pytest.approx(0.25)
+    assert st["critic/clip_frac"] == pytest.approx(0.25)
     # clip=None: plain 1/2 (V-R)^2 -> row0 0.125 + 2 + 0.125, grads -0.5, -2, 0.5
     loss, st = value_loss(values, old, ret, mask, clip=None, agg="token-mean")
     close(loss, (0.125 + 2 + 0.125 + 0.5) / 4)
     close(grad_of(loss, values), [[-0.5 / 4, -2 / 4, 0.5 / 4], [-1 / 4, 0, 0], [0, 0, 0]])
-    assert st["value_clip_frac"] == 0.0
+    assert st["critic/clip_frac"] == 0.0
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -272,7 +272,7 @@ def test_value_clip_frac_matches_reference(clip):
         grid = [garbage_pad(torch.round(z.detach() * 64) / 64, x.mask) for z in (x.values, x.old_values, x.returns)]
         _, st = value_loss(*grid, x.mask, clip=clip)
         _, _, ref_frac = ref_value_loss(*grid, x.mask, clip=clip, agg="token-mean")
-        assert st["value_clip_frac"] == pytest.approx(ref_frac, rel=1e-6)
+        assert st["critic/clip_frac"] == pytest.approx(ref_frac, rel=1e-6)
         total += ref_frac
     assert total > 0
 
@@ -280,7 +280,7 @@ def test_value_clip_frac_matches_reference(clip):
 def test_value_clip_frac_ignores_rounding():
     # |V - V_old| = 0.14 < c = 0.2: the clip is not active, yet 0.08 + (-0.06 - 0.08) = -0.06000000000000001
     _, st = value_loss(t([[-0.06]]), t([[0.08]]), t([[0.6]]), torch.ones(1, 1), clip=0.2)
-    assert st["value_clip_frac"] == 0.0
+    assert st["critic/clip_frac"] == 0.0
 
 
 # ============================================================== entropy

@@ -26,13 +26,14 @@ from reference_formulas import (
     close,
     garbage_pad,
     grad_of,
+    ref_off_policy,
     ref_opmd,
     ref_ppo,
     resp,
     t,
 )
 
-from async_rl.algorithms import opmd_loss, ppo_clip_loss
+from async_rl.algorithms import LOSSES, off_policy_figures, opmd_loss, ppo_clip_loss
 
 
 # ============================================================== PPO
@@ -45,13 +46,19 @@ def check_ppo_stats(got: dict, ref: dict):
         assert got[key] == pytest.approx(value, **tol), key
 
 
+def off_policy(prox, behav, mask) -> dict[str, float]:
+    """The learner's is/ess and is/mismatch_kl of one batch (whatever the loss)."""
+    _, figures = off_policy_figures(prox, behav, mask)
+    return {key: figure.value() for key, figure in figures.items()}
+
+
 @pytest.mark.parametrize("agg", AGGS)
 @pytest.mark.parametrize("decoupled", [True, False], ids=["decoupled", "naive"])
 @pytest.mark.parametrize("dual_clip", [None, 2.0], ids=["no-dual", "dual2"])
 @pytest.mark.parametrize("adv_kind", ["seq", "tok"])
 @pytest.mark.parametrize("is_mode", ["truncate", "mask"])
 def test_ppo_matches_reference(agg, decoupled, dual_clip, adv_kind, is_mode):
-    seen = {k: 0.0 for k in ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "is/capped_frac")}
+    seen = {k: 0.0 for k in ("is/clip_frac_low", "is/clip_frac_high", "is/dual_clip_frac", "is/capped_frac")}
     for seed in (0, 1):
         x = batch(seed)
         adv = x.adv_seq if adv_kind == "seq" else x.adv_tok
@@ -62,12 +69,13 @@ def test_ppo_matches_reference(agg, decoupled, dual_clip, adv_kind, is_mode):
         close(loss, ref_loss)
         close(grad_of(loss, x.logp), ref_grad)  # includes exact 0 on padding
         check_ppo_stats(stats, ref_stats)
+        check_ppo_stats(off_policy(x.prox, x.behav, x.mask), ref_off_policy(x.prox, x.behav, x.mask))
         for k in seen:
             seen[k] += stats[k]
     # the batches really exercise both clip sides, the IS cap and the dual clip
-    assert seen["clip_frac_low"] > 0 and seen["clip_frac_high"] > 0
+    assert seen["is/clip_frac_low"] > 0 and seen["is/clip_frac_high"] > 0
     assert (seen["is/capped_frac"] > 0) == decoupled
-    assert (seen["dual_clip_frac"] > 0) == (dual_clip is not None)
+    assert (seen["is/dual_clip_frac"] > 0) == (dual_clip is not None)
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -97,12 +105,14 @@ def test_ppo_decoupled_hand(agg):
     expected_grad = torch.zeros(3, 3, dtype=D)
     expected_grad[0] = g0
     close(grad_of(loss, logp), expected_grad)
-    # w = 2, 0.5, 1, 1.5: sum 5, sum w^2 = 7.5 -> ESS = 25 / (4 * 7.5) = 0.8333
-    # mismatch k3(d = behav - prox = -ln raw) = raw - 1 - ln raw, raw = 3, 0.5, 1, 1.5
+    check_ppo_stats(st, {"is/clip_frac": 0.5, "is/clip_frac_low": 0.25, "is/clip_frac_high": 0.25,
+                         "is/dual_clip_frac": 0.0, "is/capped_frac": 0.25, "is/weight_mean": 1.25,
+                         "is/ratio_mean": (1.5 + 0.7 + 1.1 + 0.6) / 4})
+    # The logged ESS is of the raw weights 3, 0.5, 1, 1.5 (not the capped 2, 0.5, 1, 1.5):
+    # sum 6, sum w^2 = 12.5 -> ESS = 36 / (4 * 12.5) = 0.72
+    # mismatch k3(d = behav - prox = -ln raw) = raw - 1 - ln raw
     mismatch = sum(raw - 1 - math.log(raw) for raw in (3.0, 0.5, 1.0, 1.5)) / 4  # 0.29727
-    check_ppo_stats(st, {"clip_frac": 0.5, "clip_frac_low": 0.25, "clip_frac_high": 0.25, "dual_clip_frac": 0.0,
-                         "is/ess": 25 / 30, "is/capped_frac": 0.25, "is/weight_mean": 1.25,
-                         "mismatch_kl": mismatch, "ratio_mean": (1.5 + 0.7 + 1.1 + 0.6) / 4})
+    check_ppo_stats(off_policy(prox, behav, mask), {"is/ess": 0.72, "is/mismatch_kl": mismatch})
 
 
 def test_ppo_dual_clip_hand():
@@ -119,13 +129,13 @@ def test_ppo_dual_clip_hand():
     loss, st = ppo_clip_loss(logp, zero, zero, adv, mask, decoupled=False, dual_clip=3.0)
     close(loss, 1.15)
     close(grad_of(loss, logp), [[0.0, 0.5, 0.0, 0.0]])
-    assert st["dual_clip_frac"] == pytest.approx(0.25)
-    assert st["clip_frac"] == pytest.approx(0.5)
-    assert st["clip_frac_low"] == pytest.approx(0.25) and st["clip_frac_high"] == pytest.approx(0.25)
+    assert st["is/dual_clip_frac"] == pytest.approx(0.25)
+    assert st["is/clip_frac"] == pytest.approx(0.5)
+    assert st["is/clip_frac_low"] == pytest.approx(0.25) and st["is/clip_frac_high"] == pytest.approx(0.25)
     loss, st = ppo_clip_loss(logp, zero, zero, adv, mask, decoupled=False)
     close(loss, 1.4)
     close(grad_of(loss, logp), [[1.0, 0.5, 0.0, 0.0]])
-    assert st["dual_clip_frac"] == 0.0
+    assert st["is/dual_clip_frac"] == 0.0
     # decoupled with w = 2 on every token (prox - behav = ln 2, cap 3): every loss doubles
     loss, _ = ppo_clip_loss(logp, zero, zero - math.log(2.0), adv, mask, is_cap=3.0, dual_clip=3.0)
     close(loss, 2.3)
@@ -153,8 +163,9 @@ def test_ppo_is_mode_hand(agg, is_mode):
     close(loss, sum(token_loss) / denom)
     close(grad_of(loss, logp), [[g / denom for g in token_grad]])
     w = [2.0, 0.5, 1.5] if is_mode == "truncate" else [0.0, 0.5, 1.5]
-    check_ppo_stats(st, {"is/capped_frac": 1 / 3, "is/weight_mean": sum(w) / 3,
-                         "is/ess": sum(w) ** 2 / (3 * sum(v * v for v in w))})
+    check_ppo_stats(st, {"is/capped_frac": 1 / 3, "is/weight_mean": sum(w) / 3})
+    # The logged ESS is of the raw weights 3, 0.5, 1.5, the same in both modes
+    check_ppo_stats(off_policy(prox, behav, mask), {"is/ess": 5 ** 2 / (3 * 11.5)})
     # naive PPO has no importance weight: the mode changes nothing
     naive_t, _ = ppo_clip_loss(logp, prox, behav, adv, mask, agg=agg, decoupled=False)
     naive_m, _ = ppo_clip_loss(logp, prox, behav, adv, mask, agg=agg, decoupled=False, is_mode="mask")
@@ -183,7 +194,7 @@ def test_ppo_log_ratio_clamp_hand(dtype):
     assert torch.isfinite(loss) and loss.item() == pytest.approx(expected, rel=1e-6)
     grad = grad_of(loss, logp)
     torch.testing.assert_close(grad, torch.tensor([[0.0, 0.0, -1.1 / 3]], dtype=dtype))
-    assert st["ratio_mean"] == pytest.approx((math.exp(20) + math.exp(-20) + 1.1) / 3, rel=1e-6)
+    assert st["is/ratio_mean"] == pytest.approx((math.exp(20) + math.exp(-20) + 1.1) / 3, rel=1e-6)
     # float32 exp(100) = inf: only the clamp keeps the loss and the gradient finite
     far = torch.tensor([[100.0, -100.0, 0.0]], dtype=dtype, requires_grad=True)
     loss, _ = ppo_clip_loss(far, zero, zero, adv, mask, decoupled=False)
@@ -227,8 +238,9 @@ def test_ppo_zero_staleness_decoupled_equals_standard_ppo(agg, dual_clip):
     ref_loss, ref_grad, _ = ref_ppo(x.logp, x.prox, x.prox, x.adv_tok, x.mask, decoupled=False, **kw)
     close(dec, ref_loss)
     close(g_dec, ref_grad)
-    assert st["is/ess"] == pytest.approx(1.0) and st["mismatch_kl"] == 0.0 and st["is/capped_frac"] == 0.0
-    assert st["clip_frac"] > 0  # the ratios are far from 1: clipping is in play
+    assert st["is/weight_mean"] == pytest.approx(1.0) and st["is/capped_frac"] == 0.0
+    assert off_policy(x.prox, x.prox, x.mask) == {"is/ess": pytest.approx(1.0), "is/mismatch_kl": 0.0}
+    assert st["is/clip_frac"] > 0  # the ratios are far from 1: clipping is in play
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -246,7 +258,7 @@ def test_ppo_one_step_decoupled_is_weighted_policy_gradient(agg, adv_kind):
         expected_loss += -c * w * a
     close(loss, expected_loss)
     close(grad_of(loss, x.logp), expected_grad)
-    assert st["clip_frac"] == 0.0 and st["dual_clip_frac"] == 0.0 and st["ratio_mean"] == pytest.approx(1.0)
+    assert st["is/clip_frac"] == 0.0 and st["is/dual_clip_frac"] == 0.0 and st["is/ratio_mean"] == pytest.approx(1.0)
     assert st["is/capped_frac"] > 0  # the cap is exercised
 
 
@@ -290,7 +302,7 @@ def test_opmd_hand_length_norm(length_norm):
     expected = torch.zeros(4, 4, dtype=D)
     expected[0, :2], expected[1, :], expected[2, 0] = g
     close(grad_of(loss, logp), expected)
-    assert st["opmd/groups"] == 2.0
+    assert LOSSES["opmd"].units(mask, group, "token-mean") == 2.0  # the loss is a mean over 2 groups
 
 
 @pytest.mark.parametrize("length_norm", [False, True])
@@ -302,7 +314,8 @@ def test_opmd_matches_reference(length_norm, tau, seed):
     ref_loss, ref_grad = ref_opmd(x.logp, x.behav, x.mask, x.rewards, x.group, tau=tau, length_norm=length_norm)
     close(loss, ref_loss)
     close(grad_of(loss, x.logp), ref_grad)
-    assert stats["opmd/groups"] == 4.0 and all(math.isfinite(v) for v in stats.values())
+    assert LOSSES["opmd"].units(x.mask, x.group, "token-mean") == 4.0
+    assert all(math.isfinite(v) for v in stats.values())
 
 
 @pytest.mark.parametrize("length_norm", [False, True])

@@ -19,6 +19,7 @@ import time
 import types
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 import transformers
@@ -26,15 +27,19 @@ import transformers
 from async_rl.config import ConfigError, build_config
 from async_rl.engines import make_engine
 from async_rl.engines.vllm_engine import completion_from_output, sampled_logprobs, token_versions
-from async_rl.engines.vllm_weights import (VLLMUnavailable, VLLMWeightReceiver, hf_parameter_specs, init_info,
-                                           pack_for_vllm, packed_chunk_sizes, parse_port, parse_version,
-                                           place_wire_params, require_vllm, supported_kwargs, update_info,
-                                           vllm_port_key, vllm_world, wire_params)
+from async_rl.engines.vllm_engine import hf_parameter_specs
 from async_rl.weight_sync import EpochRejected, SyncAbandoned, WeightBroadcaster, plan_epoch, plan_packed
-from async_rl.weight_sync import vllm_trainer
+from async_rl.weight_sync import vllm as vllm_transport
+from async_rl.weight_sync.base import SenderSide
+from async_rl.weight_sync.gloo_chain import GlooChainSender
+from async_rl.weight_sync.handshake import decode_arrival
 from async_rl.weight_sync.plan import layout_id
-from async_rl.weight_sync.rendezvous import (COLLECTIVE, CUDA_IPC, arrived_key, decision_key, parse_decision,
-                                             vllm_arrival)
+from async_rl.weight_sync.records import (Arrival, Decision, Go, Group, arrived_key, decision_key, decode,
+                                          encode)
+from async_rl.weight_sync.vllm import VLLMWeightReceiver, check_arrivals
+from async_rl.weight_sync.vllm_api import (VLLMUnavailable, init_info, pack_for_vllm, packed_chunk_sizes,
+                                           parse_version, place_wire_params, require_vllm, supported_kwargs,
+                                           update_info, vllm_world, wire_params)
 
 NO_VLLM = "vLLM is not installed (its wheels pin a CUDA torch; CPU CI cannot run it)"
 
@@ -111,11 +116,15 @@ def test_init_info_maps_sync_order() -> None:
     assert [w["rank_offset"] for w in wide] == [1, 3, 5] and {w["world_size"] for w in wide} == {7}
     with pytest.raises(ValueError):
         init_info(master_address="h", master_port=1, rank=0, world_size=4)  # rank 0 is the learner
-    assert vllm_port_key(3) != vllm_port_key(4)
-    assert parse_port(b"29600") == 29600
-    for bad in (b"", b"0", b"70000", b"12; rm", b"-1"):
-        with pytest.raises(ValueError, match="malformed"):
-            parse_port(bad)
+    # The port of vLLM's rendezvous travels in rank 0's decision, checked as network input.
+    decision = decode(Decision, encode(Go({"vllm": Group((1, 2), port=29600)})), "sync decision")
+    assert decision == Go({"vllm": Group((1, 2), port=29600)})
+    for bad in (0, 70000, -1, "29600", "12; rm"):
+        raw = msgspec.msgpack.encode({"type": "go", "groups": {"vllm": {"ranks": [1], "port": bad}}})
+        with pytest.raises(ValueError, match="malformed sync decision"):
+            decode(Decision, raw, "sync decision")
+    with pytest.raises(ValueError, match="malformed sync decision"):
+        decode(Decision, b"", "sync decision")
 
 
 def test_update_info_and_wire_params_placement() -> None:
@@ -179,39 +188,69 @@ def test_supported_kwargs() -> None:
 
 # -------------------------------------------- rank 0's side of the protocol
 
+def _sender_side(layout=None) -> SenderSide:
+    """What a sender's `prepare` reads: the host to listen on, and the learner's layout."""
+    return SenderSide(store=None, host="127.0.0.1", device=torch.device("cpu"), timeout_s=5, side_stream=None,
+                      bucket_sets=[], layout=layout)
+
+
 def test_plan_epoch_for_vllm_members() -> None:
     lay = layout_id([("w", (4,), torch.float32)], 64)
-    plan = plan_epoch({2: vllm_arrival(1, lay), 1: vllm_arrival(1, lay), 3: vllm_arrival(1, lay)}, engine="vllm",
-                      layout=lay)
-    assert plan.vllm == (1, 2, 3) and plan.vllm_world == 4 and not plan.collective and not plan.ipc
-    assert parse_decision(plan.decision().encode()) == [1, 2, 3]
+    arrival = Arrival("vllm", 1, lay)
+    plan = plan_epoch({2: arrival, 1: arrival, 3: arrival}, served=("vllm",), engine="vllm")
+    assert list(plan.members) == ["vllm"] and list(plan.members["vllm"]) == [1, 2, 3]
+    assert check_arrivals(plan.members["vllm"], lay) == 4
+    sender = vllm_transport.VLLMSender(_sender_side(lay))
+    group = sender.prepare(1, plan.members["vllm"])
+    try:  # the decision names the members in order, and a port rank 0 listens on
+        assert group.ranks == (1, 2, 3)
+        with socket.create_connection(("127.0.0.1", group.port), timeout=5):
+            pass
+    finally:
+        sender.disconnect()
     # What each member derives from that decision fits rank 0's world, without overlap.
-    wide = plan_epoch({1: vllm_arrival(2, lay), 2: vllm_arrival(2, lay)}, engine="vllm", layout=lay)
-    assert wide.vllm_world == 5 == vllm_world(3, 2)
-    infos = [init_info(master_address="h", master_port=1, rank=wide.vllm.index(r) + 1, world_size=len(wide.vllm) + 1,
-                       workers_per_engine=2) for r in wide.vllm]
-    assert {i["world_size"] for i in infos} == {wide.vllm_world}
-    assert sorted(i["rank_offset"] + w for i in infos for w in range(2)) == list(range(1, wide.vllm_world))
-    # Torch receivers decide as before: the collective ranks in the decision, IPC apart.
-    torch_plan = plan_epoch({1: COLLECTIVE, 2: CUDA_IPC, 3: COLLECTIVE}, engine="torch")
-    assert torch_plan.collective == (1, 3) and torch_plan.ipc == (2,) and torch_plan.vllm_world == 0
-    assert torch_plan.decision() == "go 1 3"
+    wide = {1: Arrival("vllm", 2, lay), 2: Arrival("vllm", 2, lay)}
+    world = check_arrivals(wide, lay)
+    assert world == 5 == vllm_world(3, 2)
+    infos = [init_info(master_address="h", master_port=1, rank=r, world_size=len(wide) + 1, workers_per_engine=2)
+             for r in (1, 2)]
+    assert {i["world_size"] for i in infos} == {world}
+    assert sorted(i["rank_offset"] + w for i in infos for w in range(2)) == list(range(1, world))
+    # Torch receivers: the collective ranks in their transport's group, IPC apart.
+    torch_plan = plan_epoch({1: Arrival("gloo"), 2: Arrival("cuda_ipc"), 3: Arrival("gloo")},
+                            served=("gloo", "cuda_ipc"), engine="torch")
+    assert {name: list(m) for name, m in torch_plan.members.items()} == {"gloo": [1, 3], "cuda_ipc": [2]}
+    assert GlooChainSender(_sender_side()).prepare(1, torch_plan.members["gloo"]) == Group((1, 3))
+
+
+def _decide(raw_arrivals: dict[int, bytes], engine: str, layout: str = "abc") -> None:
+    """Rank 0's decision up to "go" (epochs.form_epoch): decode, assign, the transport's checks."""
+    arrivals = {rank: decode_arrival(rank, raw) for rank, raw in raw_arrivals.items()}
+    plan = plan_epoch(arrivals, served=("vllm",) if engine == "vllm" else ("gloo", "cuda_ipc"), engine=engine)
+    if "vllm" in plan.members:
+        check_arrivals(plan.members["vllm"], layout)
+
+
+VLLM_ABC, GLOO, IPC = encode(Arrival("vllm", 1, "abc")), encode(Arrival("gloo")), encode(Arrival("cuda_ipc"))
 
 
 @pytest.mark.parametrize("arrivals,engine,match", [
-    ({1: "vllm 1 abc", 2: COLLECTIVE}, "vllm", "torch engine"),  # mixed epoch in a vLLM run
-    ({1: "vllm 1 abc", 2: COLLECTIVE}, "torch", "run vLLM"),  # mixed epoch in a torch run
-    ({1: "vllm 1 abc"}, "torch", "actors.engine=torch"),
-    ({1: CUDA_IPC}, "vllm", "torch engine"),
-    ({1: "vllm 1 def"}, "vllm", "wire layout def differs"),
-    ({1: "vllm 1 abc", 2: "vllm 2 abc"}, "vllm", "workers per engine"),
-    ({1: "vllm 0 abc"}, "vllm", "announced itself"),
-    ({1: "vllm 1 ABC;"}, "vllm", "announced itself"),
-    ({1: "gloo"}, "torch", "announced itself"),
+    ({1: VLLM_ABC, 2: GLOO}, "vllm", "torch engine"),  # mixed epoch in a vLLM run
+    ({1: VLLM_ABC, 2: GLOO}, "torch", "run vLLM"),  # mixed epoch in a torch run
+    ({1: VLLM_ABC}, "torch", "actors.engine=torch"),
+    ({1: IPC}, "vllm", "torch engine"),
+    ({1: encode(Arrival("vllm", 1, "def"))}, "vllm", "wire layout def differs"),
+    ({1: encode(Arrival("vllm"))}, "vllm", "wire layout None differs"),
+    ({1: VLLM_ABC, 2: encode(Arrival("vllm", 2, "abc"))}, "vllm", "workers per engine"),
+    ({1: encode(Arrival("nccl"))}, "torch", "does not serve"),  # not the learner's backend
+    ({1: msgspec.msgpack.encode({"transport": "vllm", "workers": 0, "layout": "abc"})}, "vllm", "announced itself"),
+    ({1: encode(Arrival("vllm", 1, "ABC;"))}, "vllm", "announced itself"),
+    ({1: msgspec.msgpack.encode({"transport": "gloo", "extra": 1})}, "torch", "announced itself"),
+    ({1: b"gloo"}, "torch", "announced itself"),
 ])
 def test_plan_epoch_refuses(arrivals, engine, match) -> None:
     with pytest.raises(EpochRejected, match=match):
-        plan_epoch(arrivals, engine=engine, layout="abc")
+        _decide(arrivals, engine)
 
 
 def _vllm_consumer(chunks, names, dtype_names, shapes, buffer_bytes):
@@ -423,7 +462,7 @@ def test_broadcaster_serves_vllm_members_through_vllms_api(monkeypatch: pytest.M
             fake.groups[0]["listen_socket"].close()
 
 
-def test_port_is_published_before_go(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_go_names_the_port_rank_0_listens_on(monkeypatch: pytest.MonkeyPatch) -> None:
     _FakeVLLM(monkeypatch)
     tensors = _tensors(0)
     bc = WeightBroadcaster(_specs(tensors), bucket_mb=1, host="127.0.0.1", backend="gloo",
@@ -437,11 +476,11 @@ def test_port_is_published_before_go(monkeypatch: pytest.MonkeyPatch) -> None:
         bc.set_members([1])
         bc.publish(1, iter(tensors))
         job = _job(bc, 1)
-        client.set(arrived_key(job.epoch, 1), vllm_arrival(1, layout_id(_specs(tensors), 2**20)))
+        client.set(arrived_key(job.epoch, 1), encode(Arrival("vllm", 1, layout_id(_specs(tensors), 2**20))))
         client.wait([decision_key(job.epoch)], datetime.timedelta(seconds=5))
-        assert client.check([vllm_port_key(job.epoch)])  # already there when "go" is
-        assert parse_decision(client.get(decision_key(job.epoch))) == [1]
-        port = parse_port(client.get(vllm_port_key(job.epoch)))
+        decision = decode(Decision, client.get(decision_key(job.epoch)), "sync decision")
+        assert isinstance(decision, Go) and decision.groups["vllm"].ranks == (1,)
+        port = decision.groups["vllm"].port  # in the decision itself: there when "go" is
         with socket.create_connection((bc.host, port), timeout=5):
             pass
     finally:
@@ -475,11 +514,11 @@ def test_mixed_or_wrong_engine_epoch_is_refused_with_one_log_line(monkeypatch: p
 def test_trainer_group_formation_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
     _FakeVLLM(monkeypatch, block_create=release)  # a member that never joins: create never returns
-    sock = vllm_trainer.reserve_port("127.0.0.1")
+    sock = vllm_transport.reserve_port("127.0.0.1")
     try:
         started = time.monotonic()
         with pytest.raises(TimeoutError, match="did not form within"):
-            vllm_trainer.open_group(sock, "127.0.0.1", 2, torch.device("cpu"), timeout_s=0.3)
+            vllm_transport.open_group(sock, "127.0.0.1", 2, torch.device("cpu"), timeout_s=0.3)
         assert time.monotonic() - started < 2
     finally:
         release.set()
@@ -565,7 +604,7 @@ def test_vllm_weight_update_through_transfer_api(vllm_engine, tmp_path) -> None:
 
     import torch.distributed as dist
 
-    from async_rl.engines.vllm_weights import open_trainer_group
+    from async_rl.weight_sync.vllm import open_trainer_group
 
     engine, path = vllm_engine
     new_path = _tiny_llama(tmp_path / "new", seed=1)
@@ -574,11 +613,8 @@ def test_vllm_weight_update_through_transfer_api(vllm_engine, tmp_path) -> None:
                           timeout=datetime.timedelta(seconds=60))
     from vllm.utils.network_utils import get_open_port  # vLLM's helper, as in its RLHF examples
 
-    from async_rl.weight_sync.rendezvous import decision_key, encode_go
-
     port = get_open_port()
-    store.set(vllm_port_key(1), str(port))
-    store.set(decision_key(1), encode_go([1]))
+    store.set(decision_key(1), encode(Go({"vllm": Group((1,), port=port)})))
     receiver = engine.weight_receiver(bucket_mb=1, backend="nccl", timeout_s=60)
 
     def trainer() -> None:

@@ -10,6 +10,7 @@ import torch
 import zmq
 from conftest import ask, dealer, running_coordinator, wait_for
 
+from async_rl.tasks.reward_guard import REASONS
 from async_rl.transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Hello, Wait, Welcome, WorkGrant, WorkRequest,
                                 encode, send)
 
@@ -54,8 +55,20 @@ def test_register_grant_admission_and_experience(hub, tmp_path):
     for i in range(4):
         push.send_multipart(encode(group_msg(welcome.actor_id, i, grant.prompt_ids[0] if i == 0 else task.train_prompt(i).id)))
     assert wait_for(lambda: len(coord.buffer) == 4)
-    taken = coord.buffer.take(4, learner_version=0, timeout=1)
+    taken = coord.take(4, version=0, timeout=1)
     assert taken.indices == [0, 1, 2, 3] and coord.rejects.total == 0
+    # The learner's metrics line gets the totals under their metric names.
+    counters = coord.counters()
+    assert {k: counters[k] for k in ("actors/live", "data/prompts_admitted", "data/prompts_consumed",
+                                     "data/prompts_skipped", "staleness/dropped", "wire/rejected")} == {
+        "actors/live": 1, "data/prompts_admitted": 4, "data/prompts_consumed": 4, "data/prompts_skipped": 0,
+        "staleness/dropped": 0, "wire/rejected": 0}
+    assert counters["reward/errors"] == 0 and {f"reward/errors_{r}" for r in REASONS} < set(counters)
+    assert counters["memory/actor_peak_rss_gb"] == 0.0  # no heartbeat yet
+    # Once the learner advances, a request at the new version is served.
+    assert isinstance(ask(sock, WorkRequest(actor_id=welcome.actor_id, version=1, max_groups=1)), Wait)
+    coord.advance(1)
+    assert ask(sock, WorkRequest(actor_id=welcome.actor_id, version=1, max_groups=1)).groups == [4]
 
 
 def test_inconsistent_and_malformed_messages_are_counted_not_fatal(hub):
@@ -165,8 +178,7 @@ def test_stop_says_goodbye(hub):
     coord, ctx, _ = hub
     sock = dealer(ctx, coord.hub_addr)
     welcome = ask(sock, Hello(actor_name="t", pid=1, host="h"))
-    coord._drain_s = 2.0
-    coord._stopping.set()
+    coord._stopping.set()  # what stop() does first; the hub keeps serving until the fixture stops it
     assert isinstance(ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=1)), Goodbye)
 
 
@@ -179,7 +191,7 @@ def test_membership_change_brings_up_to_date_actors_into_the_new_group(hub):
     from async_rl.weight_sync import WeightReceiver
 
     coord, ctx, _ = hub
-    coord.version = 1
+    coord.advance(1)
 
     def sync_once(sock, actor_id, version, params):
         deadline = time.time() + 10
@@ -241,8 +253,9 @@ def test_prompts_over_the_limit_are_skipped_and_later_slots_flow(tmp_path):
         push.connect(coord.experience_addr)
         for index, pid in zip(grant.groups, grant.prompt_ids):
             push.send_multipart(encode(group_msg(welcome.actor_id, index, pid)))
-        taken = coord.buffer.take(len(grant.groups), learner_version=0, timeout=5)
+        taken = coord.take(len(grant.groups), version=0, timeout=5)
         assert taken is not None and taken.indices == grant.groups and coord.rejects.total == 0
+        assert coord.counters()["data/prompts_skipped"] == len(long_ones) and coord.too_long_in_a_row() == 0
 
 
 def test_an_actor_holding_the_pinned_weights_evaluates_before_it_syncs(tmp_path):
@@ -272,3 +285,21 @@ def test_an_actor_holding_the_pinned_weights_evaluates_before_it_syncs(tmp_path)
         assert wait_for(lambda: coord.evals.pending == 0)
         lines, pending = coord.eval_results()
         assert pending == 0 and len(lines) == 1 and lines[0]["eval/accuracy"] == 1.0 and lines[0]["step"] == 0
+
+
+def test_a_snapshot_is_not_changed_by_later_requests(tmp_path):
+    """The checkpoint state is written after the lock is released, while the hub goes on
+    skipping over-long prompts: what it lists must stay as it was when taken."""
+    from async_rl.checkpoint_integrity import check_partition
+
+    with running_coordinator(tmp_path, {"train": {"batch_groups": 8, "group_size": 2}},
+                             prompt_length=lambda prompt: 10, prompt_limit=5) as (coord, ctx, _):
+        sock = dealer(ctx, coord.hub_addr)
+        welcome = ask(sock, Hello(actor_name="t", pid=1, host="h"))
+        assert isinstance(ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=3)), Wait)
+        state, groups = coord.snapshot()
+        assert state["skipped"] == [0, 1, 2] and coord.too_long_in_a_row() == 3
+        assert isinstance(ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=3)), Wait)
+        assert coord.too_long_in_a_row() == 6 and coord.counters()["data/prompts_skipped"] == 6
+        assert state["skipped"] == [0, 1, 2] and state["admitted"] == 3
+        check_partition(state, [index for index, _, _ in groups])

@@ -1,5 +1,5 @@
-"""Every grant ends exactly once: a property test of the hub's bookkeeping over random
-sequences of requests, deliveries, refused groups (by the hub's checks and by the wire
+"""Every grant ends exactly once: a property test of the coordinator's bookkeeping over random
+sequences of requests, deliveries, refused groups (by the coordinator's checks and by the wire
 layer), actor deaths and arrivals, and learner steps. After every event each admitted
 slot is in exactly one place: consumed, in the buffer, granted to a live actor, or
 waiting to be re-issued."""
@@ -8,7 +8,6 @@ import random
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from async_rl.config import build_config
 from async_rl.roles.coordinator import Coordinator
@@ -36,16 +35,14 @@ def test_every_admitted_slot_is_in_exactly_one_place(tmp_path, seed):
     task = make_task("arithmetic", seed=0)
     bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=5)
-    ctx = zmq.Context()
-    hub = ctx.socket(zmq.ROUTER)  # replies to identities it never saw are dropped: none is needed here
-    coord = Coordinator(cfg, task, bc, tmp_path)
+    coord = Coordinator(cfg, task, bc, tmp_path)  # not started: the test hands it the hub's messages
     consumed: list[int] = []
     identities: dict[int, bytes] = {}
 
     def join() -> None:
         identity = rng.randbytes(8)
         before = set(coord.actors)
-        coord._register(hub, identity, Hello(actor_name="a", pid=1, host="h"), 0.0)
+        coord.on_request(identity, -1, Hello(actor_name="a", pid=1, host="h"))
         (new,) = set(coord.actors) - before
         identities[new] = identity
 
@@ -66,34 +63,32 @@ def test_every_admitted_slot_is_in_exactly_one_place(tmp_path, seed):
                 join()
             elif event < 0.35:
                 actor = rng.choice(live)
-                coord._on_request(hub, identities[actor], WorkRequest(actor_id=actor, version=coord.version,
-                                                                        max_groups=rng.randint(1, 3)))
+                coord.on_request(identities[actor], -1, WorkRequest(actor_id=actor, version=coord.version,
+                                                                    max_groups=rng.randint(1, 3)))
             elif event < 0.65 and outstanding:
                 actor, index = rng.choice(outstanding)
                 version = coord.granted[index].version
                 prompt = coord.granted[index].prompt_id
                 fault, grant = rng.random(), coord.granted[index]
                 if fault < 0.7:
-                    coord._on_experience(group(actor, index, prompt, version))
+                    coord.on_experience(group(actor, index, prompt, version))
                 elif fault < 0.8:  # refused by the hub: a version it never handed out
-                    coord._on_experience(group(actor, index, prompt, coord.version + 1))
+                    coord.on_experience(group(actor, index, prompt, coord.version + 1))
                 elif fault < 0.9:  # refused by the wire layer (NaN log-prob), header intact
-                    coord._on_rejected_group(encode(group(actor, index, prompt, version, logprob=float("nan"))))
+                    coord.on_rejected_group(encode(group(actor, index, prompt, version, logprob=float("nan"))))
                 else:  # a forged claim on another actor's grant changes nothing
-                    coord._on_rejected_group(encode(group(actor + 100, index, prompt, version)))
+                    coord.on_rejected_group(encode(group(actor + 100, index, prompt, version)))
                     assert coord.granted[index] is grant
                 if fault < 0.9:  # this grant ended: consumed, or handed back for another try
                     assert coord.granted.get(index) is not grant
             elif event < 0.75 and live:
                 coord._remove(rng.choice(live), "killed")
             else:
-                taken = coord.buffer.take(B, coord.version, timeout=0)
+                taken = coord.take(B, coord.version, timeout=0)
                 if taken is not None:
                     consumed.extend([*taken.indices, *taken.dropped_indices])
-                    coord.version += 1
+                    coord.advance(coord.version + 1)
             check()
         assert coord.version > 5 and coord.rejects.by_reason().get("bad_version", 0) > 0
     finally:
         bc.close()
-        hub.close(0)
-        ctx.term()

@@ -2,9 +2,9 @@
 unfinished responses continue on them, every token records the version that produced it
 and a sample's staleness counts from its oldest token.
 
-Three levels: the engine's step hook on a tiny model (what the tokens and log-probs
-are after a switch), the actor's hook against a scripted hub (orders, a broken-off
-broadcast, goodbye), and one short real run whose metrics show mixed-version samples."""
+Two levels: the engine's step hook on a tiny model (what the tokens and log-probs
+are after a switch) and the actor's hook against a scripted hub (orders, a broken-off
+broadcast, goodbye). (A real run: tests/integration/test_in_flight_run.py.)"""
 from __future__ import annotations
 
 import math
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import read_metrics, running_coordinator, train
+from conftest import running_coordinator
 
 from async_rl.engines.torch_engine import TorchEngine
 from async_rl.metrics import version_mix
@@ -299,7 +299,7 @@ def test_hub_answers_polls_during_a_grant_and_takes_mixed_version_groups(tmp_pat
         # Polls between decode steps: no prompts, and the grant stays outstanding.
         assert isinstance(ask(WorkRequest(actor_id=actor_id, version=0, max_groups=0)), Wait)
         assert coord.granted[0].actor_id == actor_id and coord.admission.admitted == 1
-        coord.version = 2  # the learner moved on while the response was being generated
+        coord.advance(2)  # the learner moved on while the response was being generated
         tv = np.array([[0, 1, 2], [0, 0, 2]], dtype=np.int32)
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
@@ -310,7 +310,7 @@ def test_hub_answers_polls_during_a_grant_and_takes_mixed_version_groups(tmp_pat
             response_lengths=np.array([3, 3], np.int32), logprobs=np.full((G, 3), -0.5, np.float32),
             token_versions=tv, rewards=np.array([1.0, 0.0], np.float32), truncated=np.zeros(G, np.uint8),
             gen_seconds=0.1))
-        taken = coord.buffer.take(1, learner_version=2, timeout=5)
+        taken = coord.take(1, version=2, timeout=5)
         push.close(0)
         sock.close(0)
     # Stored under its oldest token's version: staleness 2 - 0 = 2 = max_staleness.
@@ -318,35 +318,3 @@ def test_hub_answers_polls_during_a_grant_and_takes_mixed_version_groups(tmp_pat
 
 
 # ----------------------------------------------------------------- a real run
-
-
-def test_in_flight_run_has_mixed_version_samples(tmp_path, demo_model) -> None:
-    run = tmp_path / "in_flight"
-    # Generation has to span learner steps: long responses (a hot sampler rarely picks
-    # EOS) and enough steps after the start-up, where the actor runs ahead, to see it
-    # (steps of the barely trained demo model take tens of milliseconds, so whether a
-    # publish lands inside a generation is up to the scheduler: 40 steps make it sure).
-    train(run, demo_model, "sync.in_flight=true", "train.max_steps=40", "max_staleness=2", "learner.ranks=1",
-          "actors.groups_per_request=8", "actors.temperature=3.0", "actors.max_new_tokens=64", "eval.every=0",
-          "task.max_prompt_tokens=16",  # responses run past the demo model's 64 positions: allow it
-          timeout=120)
-    steps, _ = read_metrics(run)
-    assert [s["step"] for s in steps] == list(range(1, 41))
-    for s in steps:
-        # Every group passed the hub's check that its version is its oldest token's ...
-        assert s["wire/rejected"] == 0
-        # ... and the admission bound holds on that version.
-        assert s["staleness/max"] <= 2 and s["staleness/dropped"] == 0
-        # Sample staleness counts from the oldest token, so never below the token figure;
-        # above it exactly on steps with mixed-version samples.
-        mixed = s["actors/mixed_version_frac"] > 0
-        assert s["staleness/mean"] - s["actors/token_staleness_mean"] > 1e-9 if mixed else \
-            s["staleness/mean"] == pytest.approx(s["actors/token_staleness_mean"])
-    assert any(s["actors/mixed_version_frac"] > 0 for s in steps), [s["actors/mixed_version_frac"] for s in steps]
-    # The groups still buffered at the end (real ExperienceGroups, from the final checkpoint).
-    from async_rl.checkpoint import BUFFER_FILE, read_groups
-
-    final = sorted((run / "checkpoints").iterdir())[-1]
-    for _, version, g in read_groups(final / BUFFER_FILE):
-        valid = np.arange(g.token_versions.shape[1])[None, :] < g.response_lengths[:, None]
-        assert version == g.version == g.token_versions[valid].min()

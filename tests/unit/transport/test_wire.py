@@ -1,10 +1,10 @@
 """Wire protocol: round trips over real zmq sockets, zero copy, rejections, fuzzing."""
 
-import dataclasses
 import logging
 import threading
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -13,12 +13,14 @@ from hypothesis import strategies as st
 
 from async_rl.transport import (
     MESSAGE_TYPES,
+    SCHEMA,
     Goodbye,
     RejectCounter,
     TraceSpans,
     WireError,
     WireLimits,
     WorkRequest,
+    claimed_group,
     decode,
     encode,
     recv,
@@ -30,6 +32,14 @@ from wire_samples import CASES, LIMITS, SAMPLES, TIMEOUT_MS, _group, _header_edi
 
 def test_every_kind_has_a_sample():
     assert {type(m) for m in SAMPLES} == set(MESSAGE_TYPES.values())
+
+
+def test_header_is_schema_then_the_tagged_message():
+    for msg in SAMPLES:
+        header = msgpack.unpackb(encode(msg)[0])
+        assert list(header) == ["schema", "message"] and header["schema"] == SCHEMA
+        assert header["message"]["kind"] == msg.KIND == type(msg).KIND
+        assert set(header["message"]) == {"kind", *msg.__struct_fields__}
 
 
 # ------------------------------------------------------------------ real sockets
@@ -132,7 +142,7 @@ def test_unaligned_frames_are_copied_not_misread():
 def test_messages_without_reward_errors_mean_none_failed():
     """Senders from before reward_errors existed: absent counts decode as zeros."""
     for msg in (make_group(), SAMPLES[-1]):
-        got = decode(_header_edit(msg, lambda h: h["body"].pop("reward_errors")), LIMITS)
+        got = decode(_header_edit(msg, lambda h: h["message"].pop("reward_errors")), LIMITS)
         assert got.reward_errors == [0, 0, 0, 0] and type(got.reward_errors) is list
 
 
@@ -187,6 +197,34 @@ def test_encode_coerces_numpy_scalars_and_refuses_non_messages():
         encode(object())  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         encode(WorkRequest(actor_id=1.5, version=0, max_groups=1))
+    with pytest.raises(TypeError):
+        encode(Goodbye(reason=None))  # type: ignore[arg-type]
+
+
+def test_encode_sends_values_out_of_range_for_the_receiver_to_count():
+    """A negative or NaN value is data, not a sender bug: it reaches the receiver,
+    which rejects and counts it."""
+    for msg, reason in [(WorkRequest(actor_id=-1, version=0, max_groups=1), "bad_value"),
+                        (Goodbye("x", actor_id=-2), "bad_value"),
+                        (TraceSpans(**{**msgspec.structs.asdict(make_spans()), "dropped": 2**63}), "bad_value"),
+                        (_group(gen_seconds=float("nan")), "non_finite"),
+                        (_group(greedy_reward=float("inf")), "non_finite")]:
+        with pytest.raises(WireError) as info:
+            decode(encode(msg), LIMITS)
+        assert info.value.reason == reason, msg
+
+
+def test_claimed_group_reads_the_ids_of_a_rejected_experience_group():
+    bad = CASES["version_mismatch"][0]
+    with pytest.raises(WireError):
+        decode(bad, LIMITS)
+    assert claimed_group(bad, LIMITS) == (1, 17)
+    assert claimed_group(CASES["nan_logprobs"][0], LIMITS) == (1, 17)
+    assert claimed_group(encode(WorkRequest(1, 2, 3)), LIMITS) is None
+    for case in ("random_bytes", "no_frames", "msgpack_non_map"):
+        assert claimed_group(CASES[case][0], LIMITS) is None
+    assert claimed_group(_header_edit(make_group(), lambda h: h["message"].update(actor_id="1")), LIMITS) is None
+    assert claimed_group(encode(make_group()), WireLimits(max_header_bytes=16)) is None
 
 
 # ------------------------------------------------------------------ RejectCounter
@@ -261,6 +299,10 @@ _kinds = st.sampled_from(sorted(MESSAGE_TYPES))
 _dtypes = st.sampled_from(["int32", "int64", "float32", "float16", "float64", "bool"])
 
 
+def _array_fields(cls) -> list[str]:
+    return [f.name for f in msgspec.structs.fields(cls) if getattr(f.type, "__origin__", None) is np.ndarray]
+
+
 @st.composite
 def _headers(draw):
     """Headers that are mostly well-formed, so inputs get past the first checks."""
@@ -270,16 +312,17 @@ def _headers(draw):
 
     kind = pick(_kinds)
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
-    fields = dataclasses.fields(cls) if cls else []
-    arrays = [f.name for f in fields if "dtype" in f.metadata] or ["x"]
-    body = {f.name: draw(_values) for f in fields if f.name not in arrays and draw(st.integers(0, 9))}
-    descs = [
-        {"name": pick(st.sampled_from(arrays)), "dtype": pick(_dtypes),
-         "shape": pick(st.lists(st.integers(-2, 9), max_size=3))}
-        for _ in range(draw(st.integers(0, len(arrays) + 1)) if draw(st.integers(0, 3)) else 0)
-    ]
-    header = {"schema": pick(st.just(1)), "kind": kind, "body": pick(st.just(body)),
-              "arrays": pick(st.just(descs))}
+    fields = msgspec.structs.fields(cls) if cls else []
+    arrays = _array_fields(cls) if cls else []
+    message = {f.name: draw(_values) for f in fields if f.name not in arrays and draw(st.integers(0, 9))}
+    for _ in range(draw(st.integers(0, len(arrays) + 1)) if draw(st.integers(0, 3)) else 0):
+        name = pick(st.sampled_from(arrays or ["x"]))
+        message[name if not isinstance(name, (list, dict)) else "x"] = {
+            "dtype": pick(_dtypes), "shape": pick(st.lists(st.integers(-2, 9), max_size=3)),
+            "frame": pick(st.integers(-1, 8))}
+    if draw(st.integers(0, 19)):
+        message["kind"] = kind
+    header = {"schema": pick(st.just(SCHEMA)), "message": pick(st.just(message))}
     if not draw(st.integers(0, 19)):
         header.pop(draw(st.sampled_from(sorted(header))))
     return header

@@ -7,9 +7,11 @@ import pytest
 import torch
 from conftest import wait_for_job
 
-from async_rl.weight_sync import SyncAbandoned, WeightBroadcaster, WeightReceiver, plan_buckets, schedule
+from async_rl.weight_sync import SyncAbandoned, WeightBroadcaster, WeightReceiver, gloo_chain, plan_buckets
+from async_rl.weight_sync.collective import CollectiveReceiver, CollectiveSender
+from async_rl.weight_sync.gloo_chain import chained
+from async_rl.weight_sync.nccl import NcclReceiver, NcclSender
 from async_rl.weight_sync.plan import sync_bucket_bytes
-from async_rl.weight_sync.schedule import chained
 
 
 def specs(params):
@@ -49,13 +51,15 @@ def make_params(seed):
 
 def test_chain_only_where_it_beats_the_tree():
     """Chain: buckets + (world - 2) bucket times; gloo's tree: ceil(log2(world)) writes
-    of every bucket from rank 0 (schedule.chained)."""
-    assert chained("gloo", 5, 3)  # 5 + 1 <= 5 * 2
-    assert chained("gloo", 2, 2)  # one member: a chain of one link, receives posted up front
-    assert not chained("gloo", 1, 3)  # a single bucket: nothing to pipeline
-    assert chained("gloo", 3, 9) and not chained("gloo", 2, 9)  # 3 + 7 <= 3 * 4, but 2 + 7 > 2 * 4
-    assert chained("gloo", 11, 65) and not chained("gloo", 10, 65)  # 11 + 63 <= 11 * 7, but 10 + 63 > 70
-    assert not chained("nccl", 50, 3)  # NCCL pipelines its own broadcast
+    of every bucket from rank 0 (gloo_chain.chained)."""
+    assert chained(5, 3)  # 5 + 1 <= 5 * 2
+    assert chained(2, 2)  # one member: a chain of one link, receives posted up front
+    assert not chained(1, 3)  # a single bucket: nothing to pipeline
+    assert chained(3, 9) and not chained(2, 9)  # 3 + 7 <= 3 * 4, but 2 + 7 > 2 * 4
+    assert chained(11, 65) and not chained(10, 65)  # 11 + 63 <= 11 * 7, but 10 + 63 > 70
+    # NCCL pipelines its own broadcast: its ends are the plain one-broadcast-per-bucket ones.
+    assert NcclSender.send is CollectiveSender.send
+    assert NcclReceiver.receive is CollectiveReceiver.receive
 
 
 @pytest.mark.parametrize("members", [(3, 7), (3, 5, 7)], ids=["chain-of-2", "chain-of-3"])
@@ -69,7 +73,7 @@ def test_broadcast_reaches_all_receivers_and_follows_membership(members):
         bc.publish(5, iter(source))
         job = wait_for_job(bc, members)
         assert job.version == 5
-        assert chained("gloo", len(bc.plan), len(members) + 1)
+        assert chained(len(bc.plan), len(members) + 1)
 
         def receive(actor_id):
             params, _ = receivers[actor_id]
@@ -116,7 +120,7 @@ def kill_mid_sync(monkeypatch, bc, job, survivor, survivor_id, dying, dying_id, 
     but the last), calls `last_words` if given, then dies: its connections close, as when
     the process is killed. Returns the survivor's errors."""
     failures, completed = bc.failures, bc.completed
-    real_await = schedule.await_bucket
+    real_await = gloo_chain.await_bucket
 
     awaited = [0]  # a count, not the works: holding one would keep the dead member's connections open
 
@@ -129,7 +133,7 @@ def kill_mid_sync(monkeypatch, bc, job, survivor, survivor_id, dying, dying_id, 
                     last_words()
                 raise RuntimeError("died")
 
-    monkeypatch.setattr(schedule, "await_bucket", await_then_die)
+    monkeypatch.setattr(gloo_chain, "await_bucket", await_then_die)
     errors, died = [], []
 
     def survive():
@@ -179,7 +183,7 @@ def until(done, timeout_s=5.0):
 
 @pytest.mark.parametrize("dying_rank", [1, 2], ids=["dies-first-in-chain", "dies-last-in-chain"])
 def test_member_dying_mid_sync_leaves_survivor_not_intact_until_a_resync(dying_rank, monkeypatch):
-    """sync.stage_on_actors=false. Rank 1 forwards to rank 2 (schedule.py). A dead rank 1
+    """sync.stage_on_actors=false. Rank 1 forwards to rank 2 (gloo_chain.py). A dead rank 1
     leaves the survivor after it half-updated, and it must not generate until a resync; a
     dead rank 2 leaves the survivor before it with every bucket. Either way rank 0 counts
     the sync as failed (no acknowledgement from the end of the chain) and resends once the
@@ -203,7 +207,7 @@ def test_member_dying_mid_sync_leaves_survivor_not_intact_until_a_resync(dying_r
                                last_words=(lambda: until(first_bucket_landed)) if dying_rank == 1 else None)
         if dying_rank == 1:  # only the first bucket reached the survivor through the dead member
             assert errors, "the survivor should see the sync break off"
-            assert not survivor.intact and survivor._group is None
+            assert not survivor.intact and survivor.group is None
             assert first_bucket_landed() and not torch.equal(source[-1][1], survivor_params[-1][1])
         else:  # every bucket reached the survivor; its forwards may have been written before the death
             assert all(torch.equal(want, got) for (_, want), (_, got) in zip(source, survivor_params))
@@ -261,7 +265,7 @@ def test_member_dying_mid_sync_leaves_staged_survivor_on_its_last_complete_versi
                                last_words=(lambda: until(first_bucket_staged)) if dying_rank == 1 else None)
         assert survivor.intact
         if dying_rank == 1 or errors:
-            assert errors and survivor._group is None
+            assert errors and survivor.group is None
             assert all(same_bits(want, got) for want, (_, got) in zip(before, survivor_params))
         else:
             assert all(same_bits(want, got) for (_, want), (_, got) in zip(source, survivor_params))

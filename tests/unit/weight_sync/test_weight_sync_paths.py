@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 import transformers
@@ -14,9 +15,10 @@ from conftest import wait_for_job
 from async_rl.config import ConfigError, build_config
 from async_rl.engines.torch_engine import TorchEngine
 from async_rl.weight_sync import SyncAbandoned, WeightBroadcaster, WeightReceiver, choose_transport, cuda_ipc
-from async_rl.weight_sync.schedule import chained
+from async_rl.weight_sync.gloo_chain import chained
 from async_rl.weight_sync.plan import plan_buckets
-from async_rl.weight_sync.transports import decode_learner_info, encode_learner_info
+from async_rl.weight_sync.records import IpcBucket, LearnerInfo, decode, encode
+from async_rl.weight_sync.transports import learner_info
 
 CPU = torch.device("cpu")
 
@@ -78,7 +80,7 @@ def test_staged_receiver_delivers_into_the_buckets_its_parameters_view(bucket_by
             job = bc.job()
             receiver.receive(epoch=job.epoch, rank=1, world_size=2, store_host=bc.host, store_port=bc.port)
             assert receiver.intact and all(torch.equal(p, s + version) for (_, p), (_, s) in zip(params, source))
-        assert chained("gloo", len(receiver.plan), 2) == (bucket_bytes == 256)
+        assert chained(len(receiver.plan), 2) == (bucket_bytes == 256)
         assert all(p.untyped_storage().data_ptr() in live for _, p in params)
         assert [flat.data_ptr() for flat in receiver.staging] == staging  # reused, not reallocated
     finally:
@@ -133,7 +135,7 @@ def test_one_bucket_set_makes_publish_wait_for_the_broadcast_that_reads_it():
     receiver = WeightReceiver(params, bucket_mb=256 / 2**20, backend="gloo", timeout_s=10)
     published = threading.Event()
     try:
-        assert len(bc._sets) == 1
+        assert len(bc.buffers.sets) == 1
         bc.set_members([1])
         bc.publish(1, iter([(n, t + 100) for n, t in source]))
         job = wait_for_job(bc, [1])  # the thread now reads the set: it waits for the member to arrive
@@ -173,10 +175,12 @@ def test_transport_choice_store_entry_and_config():
         with pytest.raises(ValueError, match="sync.transport"):
             choose(requested, device, gpu)  # no CUDA; another GPU; a CPU actor in an NCCL group
 
-    info = decode_learner_info(encode_learner_info("auto", "gloo", CPU))
-    assert info == {"transport": "auto", "backend": "gloo", "host": socket.gethostname(), "gpu": None}
-    with pytest.raises(ValueError):
-        decode_learner_info(b"\x93\x01\x02\x03")  # msgpack [1, 2, 3]: not the entry
+    info = decode(LearnerInfo, encode(learner_info("auto", "gloo", CPU)), "transport entry")
+    assert info == LearnerInfo(transport="auto", backend="gloo", host=socket.gethostname(), gpu=None)
+    with pytest.raises(ValueError, match="malformed transport entry"):
+        decode(LearnerInfo, b"\x93\x01\x02\x03", "transport entry")  # msgpack [1, 2, 3]: not the entry
+    with pytest.raises(ValueError, match="malformed"):  # a field of the wrong type
+        decode(LearnerInfo, encode(LearnerInfo("auto", "tcp", "a", None)), "transport entry")
 
     with pytest.raises(ConfigError, match=r"^sync\.transport: cuda_ipc needs model\.device=cuda"):
         build_config({"sync": {"transport": "cuda_ipc"}, "model": {"device": "cpu"}})
@@ -218,16 +222,19 @@ def test_a_vllm_run_refuses_torch_receivers_at_once():
 
 def test_cuda_ipc_handle_format_round_trip_and_checks():
     plan = plan_buckets([("a", (8,), torch.float32), ("b", (4, 2), torch.float32)], bucket_bytes=32)
-    entries = [{"device": 0, "handle": bytes(64), "size_bytes": 4096, "offset_bytes": 512 * i,
-                "ref_counter_handle": b"/torch_123_456", "ref_counter_offset": i, "event_handle": None,
-                "event_sync_required": False, "tensor_offset": 0, "numel": b.numel, "dtype": "float32"}
+    entries = [IpcBucket(device=0, handle=bytes(64), size_bytes=4096, offset_bytes=512 * i,
+                         ref_counter_handle=b"/torch_123_456", ref_counter_offset=i, event_handle=None,
+                         event_sync_required=False, tensor_offset=0, numel=b.numel, dtype="float32")
                for i, b in enumerate(plan)]
     assert cuda_ipc.unpack(cuda_ipc.pack(entries), plan) == entries
-    wrong = [dict(entries[0], numel=9)] + entries[1:]
+    wrong = [msgspec.structs.replace(entries[0], numel=9)] + entries[1:]
     with pytest.raises(ValueError, match="do not match"):
         cuda_ipc.unpack(cuda_ipc.pack(wrong), plan)
-    with pytest.raises(ValueError, match="malformed"):
-        cuda_ipc.unpack(cuda_ipc.pack([dict(entries[0], handle="text")] + entries[1:]), plan)
+    with pytest.raises(ValueError, match="not one entry per bucket"):
+        cuda_ipc.unpack(cuda_ipc.pack(entries[:1]), plan)
+    for bad in (msgspec.structs.replace(entries[0], handle="text"), msgspec.structs.replace(entries[0], size_bytes=-1)):
+        with pytest.raises(ValueError, match="malformed"):
+            cuda_ipc.unpack(cuda_ipc.pack([bad] + entries[1:]), plan)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -306,7 +313,7 @@ def test_gloo_chain_with_gpu_buckets_on_both_ends():
     source = [(f"w{i}", torch.randn(64, device=device)) for i in range(5)]
     bc = WeightBroadcaster(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="nccl",
                            device=device, timeout_s=30, transport="gloo")
-    assert bc.backend == "gloo" and all(t.device.type == "cpu" for t in bc._sets[0].tensors)
+    assert bc.backend == "gloo" and all(t.device.type == "cpu" for t in bc.buffers.sets[0].tensors)
     errors, receivers = [], {}
 
     def actor(actor_id):
@@ -329,6 +336,6 @@ def test_gloo_chain_with_gpu_buckets_on_both_ends():
         [t.start() for t in threads]
         [t.join(timeout=60) for t in threads]
         assert not any(t.is_alive() for t in threads) and not errors, errors
-        assert chained("gloo", len(bc.plan), 3)
+        assert chained(len(bc.plan), 3)
     finally:
         bc.close(wait_s=5)

@@ -1,17 +1,10 @@
-"""Learner efficiency options change speed, not results: packed micro-batches give the
-padded log-probs and the same train_step; activation checkpointing the same gradients;
-bf16 mixed precision keeps fp32 master weights. Plus the learner benchmark's --tiny preset."""
-import json
-import subprocess
-import sys
-from pathlib import Path
+"""packing.py: packed micro-batches give the padded log-probs, the shared-prompt layout
+counts each prompt once with the same gradients, models that would leak across packed
+sequences are caught, and micro-batches are whole groups within the token budget.
+(The full train_step, packed vs padded on 2 FSDP2 ranks: tests/integration/test_learner_variants.py.)"""
 
 import pytest
 import torch
-from conftest import ROOT, subprocess_env
-from safetensors.torch import load_file
-
-WORKER = Path(__file__).parents[1] / "workers" / "learner_variants.py"
 
 
 def tiny_models():
@@ -114,80 +107,3 @@ def test_micro_batches_whole_groups_within_token_budget():
     # Shared prompts of 2 tokens: a group costs its rows' tokens minus one prompt: 6, 9, 6, 9.
     assert micro_batches(attention, 0, 8, 2, 4, 15, True, torch.full((8,), 2)) == [(0, 4), (4, 8)]
     assert micro_batches(attention, 0, 8, 2, 4, 15, True) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("variants")
-    out = tmp / "runs.safetensors"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(WORKER), str(out), str(tmp / "model")],
-                          timeout=180, env=subprocess_env(), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    tensors = load_file(out)
-    grouped: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        run, _, name = key.partition("/")
-        grouped.setdefault(run, {})[name] = value
-    return grouped
-
-
-def assert_same_run(a: dict, b: dict, atol: float) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        if name.startswith("stat:"):  # diagnostics: float64 sums, some of them large
-            torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=atol, msg=name)
-        else:
-            torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
-
-
-@pytest.mark.parametrize("variant", ["gae", "reinforce_pp", "opmd", "ppo"])
-def test_packed_train_step_equals_padded(runs, variant):
-    """Updated policy (and critic) parameters and every diagnostic: packed micro-batches
-    (shared prompts) under a token budget vs padded fixed-size ones, 2 FSDP2 ranks, SGD lr=1."""
-    assert_same_run(runs[f"{variant}-padded"], runs[f"{variant}-packed"], atol=1e-5)
-
-
-def test_packed_without_shared_prompts_equals_padded(runs):
-    assert_same_run(runs["ppo-padded"], runs["ppo-packed-unshared"], atol=1e-5)
-
-
-def test_overlong_filter_and_penalty_change_the_update(runs):
-    """Samples at the length limit (flagged truncated) lose their loss and long ones are
-    penalized: the update differs from the plain one (the batch has such samples)."""
-    plain, overlong = runs["ppo-padded"], runs["ppo-overlong"]
-    assert float(overlong["stat:learner/grad_norm"]) != pytest.approx(float(plain["stat:learner/grad_norm"]))
-    assert any(not torch.equal(plain[n], overlong[n]) for n in plain if not n.startswith("stat:"))
-
-
-def test_activation_checkpointing_same_gradients(runs):
-    assert_same_run(runs["gae-padded"], runs["gae-ac"], atol=1e-6)
-    assert_same_run(runs["gae-packed"], runs["gae-packed-ac"], atol=1e-6)
-
-
-def test_bf16_mixed_precision_keeps_fp32_master_weights(runs):
-    fp32, bf16, init = runs["ppo-padded"], runs["ppo-bf16"], runs["init"]
-    assert bool(bf16.pop("fp32_master")) and bool(fp32.pop("fp32_master"))
-    assert all(t.dtype == torch.float32 for n, t in bf16.items() if not n.startswith("stat:"))
-    # The bf16 update is the fp32 one up to bf16 rounding of activations (~1e-2 relative).
-    update = torch.cat([(fp32[n] - init[n]).flatten() for n in init])
-    update_bf16 = torch.cat([(bf16[n] - init[n]).flatten() for n in init])
-    assert update.norm() > 0 and (update_bf16 - update).norm() / update.norm() < 0.1
-    assert abs(float(bf16["stat:loss/total"]) - float(fp32["stat:loss/total"])) < 0.05
-
-
-def test_bench_learner_tiny_prints_schema():
-    proc = subprocess.run([sys.executable, str(ROOT / "analysis/bench_learner.py"), "--tiny", "--cpu", "--ranks", "2",
-                           "--steps", "1", "--warmup", "0", "--variants", "padded,packed+ac"],
-                          capture_output=True, text=True, timeout=60, env=subprocess_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-    learner = [l for l in lines if l["kind"] == "learner"]
-    assert [l["variant"] for l in learner] == ["padded", "packed+ac"]
-    for l in learner:
-        assert l["device"] == "cpu" and l["ranks"] == 2 and l["mfu"] is None and l["precision"] == "fp32"
-        assert l["tokens"] <= l["padded_tokens"] and l["step_s"] > 0 and len(l["steps_s"]) == 1
-        assert abs(l["tokens_per_s"] - l["tokens"] / l["step_s"]) < 1e-6 * l["tokens_per_s"]
-        assert l["flops_per_step"] > 6 * l["params"] * l["tokens"]
-    (gen,) = [l for l in lines if l["kind"] == "generate"]
-    assert gen["tokens"] == gen["prompts"] * gen["new_tokens"] and gen["tokens_per_s"] > 0

@@ -1,0 +1,60 @@
+"""What the learner's rank 0 knows of a step's batch, besides its tensors.
+
+The figures about the step's data under their metric names (docs/observability.md),
+and what the learner needs besides: sample and token counts for its throughput, the
+reward failures for its stop rule, TensorBoard's histograms and texts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..batching import Batch
+from ..config import Config
+from ..health import RunHealth
+from ..metrics import batch_histograms, generations_table, version_mix
+from ..replay_buffer import Taken
+from ..tasks.reward_guard import step_errors
+
+
+@dataclass
+class StepData:
+    metrics: dict[str, float]
+    samples: int
+    gen_tokens: float
+    waited: float  # seconds the learner waited for the batch
+    reward_errors: list[int]  # failed reward calls per reason (reward_guard.REASONS)
+    histograms: dict[str, Any]
+    texts: dict[str, str] | None
+
+
+def measure_step(cfg: Config, taken: Taken, batch: Batch, learner_version: int, waited: float, prompt_format,
+                 health: RunHealth) -> StepData:
+    """The StepData of the batch `taken` by the learner at `learner_version` (before the
+    step); `health` is fed the batch, and warns when a run has nothing to learn from."""
+    groups = taken.groups
+    staleness = [learner_version - v for v in taken.versions]
+    lengths = np.concatenate([g.response_lengths for g in groups])
+    truncated = np.concatenate([g.truncated for g in groups])
+    gen_seconds = sum(g.gen_seconds for g in groups)
+    reward_errors, reward_error_frac = step_errors(groups)
+    health.check(batch.rewards.numpy(), lengths, truncated, cfg.train.group_size)
+    metrics = {
+        "train/reward_mean": float(batch.rewards.mean()), "train/response_len_mean": float(lengths.mean()),
+        "train/response_len_max": float(lengths.max()), "train/truncated_frac": float(truncated.mean()),
+        "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
+        # The step's staleness histogram, in samples.
+        **{f"staleness/count_{k}": staleness.count(k) * cfg.train.group_size for k in sorted(set(staleness))},
+        # What a capacity model needs: the actors' generation time per group, and
+        # their speed while generating.
+        "actors/gen_seconds_per_group": gen_seconds / len(groups),
+        "actors/gen_tokens_per_s": float(lengths.sum()) / max(gen_seconds, 1e-9),
+        **version_mix(groups, learner_version),  # in-flight updates: actors/mixed_version_frac, ...
+        "reward/error_frac": reward_error_frac}
+    texts = None
+    if cfg.metrics.text_every and (learner_version + 1) % cfg.metrics.text_every == 0:
+        texts = {"samples/generations": generations_table(groups, prompt_format)}
+    return StepData(metrics, samples=int(batch.tokens.shape[0]), gen_tokens=float(lengths.sum()), waited=waited,
+                    reward_errors=reward_errors, histograms=batch_histograms(groups, staleness), texts=texts)

@@ -1,0 +1,70 @@
+"""analysis/simulate.py's calibration on four small real
+runs (1 and 2 actors x max_staleness 0 and 4): predicted samples/s and mean staleness
+within 20% of measured.
+
+The real runs are made once per module (each ~15-35 s on the loaded 2-core machine, most
+of it process start-up). Their configuration leaves the actors some margin over the
+learner (16 groups per step in 2 requests of 8): with actors and learner nearly
+balanced, the mean staleness at max_staleness 4 is a random walk between 0 and 4 that
+load bursts from other processes decide (see the module docstring of simulate.py).
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import load_analysis, subprocess_env, train
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "analysis/simulate.py"
+
+
+sim = load_analysis("simulate")
+RUNS = {(1, 0), (1, 4), (2, 0), (2, 4)}
+TINY = ("train.batch_groups=16", "actors.groups_per_request=8", "eval.every=0", "train.max_steps=60",
+        "learner.ranks=1")
+
+
+def check(out: dict, eta: int) -> None:
+    assert out["predicted_samples_per_s"] == pytest.approx(out["measured_samples_per_s"], rel=0.2), out
+    if eta == 0:  # both exactly 0: compare the difference
+        assert abs(out["predicted_staleness_mean"] - out["measured_staleness_mean"]) < 0.05, out
+    else:
+        assert out["predicted_staleness_mean"] == pytest.approx(out["measured_staleness_mean"], rel=0.2), out
+
+
+@pytest.fixture(scope="module", params=sorted(RUNS), ids=lambda p: f"{p[0]}actor-eta{p[1]}")
+def real_run(request, demo_model, tmp_path_factory):
+    actors, eta = request.param
+    run_dir = tmp_path_factory.mktemp("sim") / f"a{actors}e{eta}"
+    train(run_dir, demo_model, *TINY, f"actors.count={actors}", f"max_staleness={eta}")
+    return run_dir, eta
+
+
+def test_calibration_predicts_the_run(real_run):
+    """`--calibrate RUN` (a subprocess, as a user runs it): one JSON line."""
+    run_dir, eta = real_run
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--calibrate", str(run_dir)], capture_output=True, text=True,
+                          timeout=60, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    check(out, eta)
+    assert out["predicted_idle_frac"] == pytest.approx(out["measured_idle_frac"], abs=0.1), out
+    if eta == 0:
+        assert out["measured_idle_frac"] > 0.1  # the synchronous baseline waits for its data
+
+
+def test_calibration_from_metrics_alone(real_run):
+    """Without trace.json the actors' time outside generation and the learner's logging
+    time are taken as 0: samples/s stays within 20%, but the actors look faster than they
+    are, so near balance (as on a loaded 2-core machine) the mean staleness at eta > 0
+    comes out too high (seen: 3.85 predicted, 2.02 measured); it is only checked at 0."""
+    run_dir, eta = real_run
+    out = sim.calibrate(run_dir, use_trace=False, seeds=3)
+    assert not out["from_trace"]
+    assert out["predicted_samples_per_s"] == pytest.approx(out["measured_samples_per_s"], rel=0.2), out
+    if eta == 0:
+        assert out["predicted_staleness_mean"] == 0 and out["measured_staleness_mean"] == 0, out

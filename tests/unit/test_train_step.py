@@ -1,0 +1,76 @@
+"""train_step in a one-process gloo world on a tiny Llama: the diagnostics each algorithm
+logs (every key DESIGN.md and docs/algorithms.md name), the histogram weights agree with
+is/ess, and the caller's batch is left as it was. Numerical equality with sharded runs is
+tests/integration/test_fsdp.py's."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from async_rl.batching import build_batch
+from async_rl.config import build_config
+from async_rl.models.critic import ValueModel
+from async_rl.train_step import Models, train_step
+from workers.fsdp_step import synthetic_groups
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+EVERY_STEP = {"loss/policy", "loss/total", "learner/grad_norm", "learner/skipped_steps", "policy/entropy", "is/ess",
+              "is/mismatch_kl", "is/clip_frac", "is/clip_frac_low", "is/clip_frac_high", "is/dual_clip_frac",
+              "is/capped_frac"}
+PPO = {"is/weight_mean", "is/ratio_mean"}
+# name: (train section, keys beyond EVERY_STEP)
+VARIANTS = {
+    "ppo": ({}, PPO),
+    "ppo-kl-loss-entropy-minibatches": ({"minibatches": 2, "entropy_coef": 0.01, "kl": {"coef": 0.1}},
+                                        PPO | {"policy/kl_ref", "loss/kl", "loss/entropy"}),
+    "opmd-kl-reward": ({"loss": "opmd", "kl": {"coef": 0.1, "mode": "reward"}},
+                       {"opmd/residual_mean", "opmd/residual_abs_mean", "opmd/log_ratio_mean", "policy/kl_ref"}),
+    "gae": ({"advantage": "gae"}, PPO | {"loss/value", "critic/value_mean", "critic/clip_frac", "critic/grad_norm"}),
+}
+
+
+@pytest.fixture
+def world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=64)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_step_logs_the_algorithms_diagnostics(world, model_dir, variant):
+    train, extra = VARIANTS[variant]
+    cfg = build_config({"train": {"batch_groups": 4, "group_size": 4, **train},
+                        "learner": {"ranks": 1, "micro_batch_size": 4}})
+    policy = LlamaForCausalLM.from_pretrained(model_dir)
+    models = Models(policy, torch.optim.SGD(policy.parameters(), lr=0.1))
+    if cfg.train.kl.coef > 0:
+        models.reference = LlamaForCausalLM.from_pretrained(model_dir).requires_grad_(False)
+    if cfg.train.advantage == "gae":
+        models.critic = ValueModel(str(model_dir))
+        models.critic_optimizer = torch.optim.SGD(models.critic.parameters(), lr=0.1)
+    batch = build_batch(synthetic_groups(4, 4, seed=1), pad_id=0)
+    before = copy.deepcopy(batch)
+    is_weights: list[torch.Tensor] = []
+
+    stats = train_step(cfg, models, batch, is_weights)
+
+    assert stats.keys() == EVERY_STEP | extra
+    assert all(torch.isfinite(torch.tensor(v)) for v in stats.values()) and stats["learner/skipped_steps"] == 0
+    w = torch.cat(is_weights)  # raw weights of every response token, float64
+    assert w.dtype == torch.float64 and w.numel() == int(batch.loss_mask.sum())
+    assert stats["is/ess"] == pytest.approx(float(w.sum() ** 2 / (w.numel() * w.square().sum())), rel=1e-12)
+    assert 0.0 < stats["is/ess"] <= 1.0
+    for name in ("rewards", "loss_mask"):  # KL-penalized rewards and filters stay inside the step
+        assert torch.equal(getattr(batch, name), getattr(before, name)), name
