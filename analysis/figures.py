@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from async_rl.run_dir import Run
+from async_rl.run_dir import Run, load_run
 
 
 def add_run_arguments(parser) -> None:
@@ -18,6 +18,17 @@ def add_run_arguments(parser) -> None:
                         help="directory of the comparison figure (default: the first run's analysis/)")
     parser.add_argument("--smooth", type=int, default=None,
                         help="rolling-mean window in steps for the curves (default: steps / 50, at least 1)")
+
+
+def load_runs(paths: list[Path]) -> list[Run] | None:
+    """The runs the command line named, or None (after one line on stderr) when one of
+    them has no training step to analyse."""
+    runs = [load_run(p) for p in paths]
+    for run in runs:
+        if not run.steps:
+            print(f"{run.path}: no training steps in metrics.jsonl", file=sys.stderr)
+            return None
+    return runs
 
 
 def labels(runs: list[Run]) -> list[str]:

@@ -30,9 +30,9 @@ import math
 import sys
 from pathlib import Path
 
-from figures import add_run_arguments, labels, pyplot, rolling, save_figure, smoothing_window, write_plots
+from figures import add_run_arguments, labels, load_runs, pyplot, rolling, save_figure, smoothing_window, write_plots
 
-from async_rl.run_dir import Run, load_run, step_staleness_counts
+from async_rl.run_dir import Run, step_staleness_counts
 
 PLOTS = ("staleness_hist.png", "staleness_time.png", "is_ess.png")
 COMPARE = "staleness_compare.png"
@@ -193,11 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(parser)
     args = parser.parse_args(argv)
-    runs = [load_run(p) for p in args.runs]
-    for run in runs:
-        if not run.steps:
-            print(f"{run.path}: no training steps in metrics.jsonl", file=sys.stderr)
-            return 1
+    runs = load_runs(args.runs)
+    if runs is None:
+        return 1
     print(table([stats(r) for r in runs]), end="")
 
     def plots():

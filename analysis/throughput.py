@@ -44,9 +44,9 @@ import heapq
 import sys
 from pathlib import Path
 
-from figures import add_run_arguments, labels, pyplot, rolling, save_figure, smoothing_window, write_plots
+from figures import add_run_arguments, labels, load_runs, pyplot, rolling, save_figure, smoothing_window, write_plots
 
-from async_rl.run_dir import Run, TraceSpan, load_run, track_role
+from async_rl.run_dir import Run, TraceSpan, track_role
 
 COLUMNS = ("generate", "score", "push", "train-step", "eval", "checkpoint", "sync", "wait")
 WAITS = {"learner": "wait-for-data", "actor": "wait-for-admission"}
@@ -359,11 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--include-startup", action="store_true",
                         help="time shares: count the learner's time before its first train-step")
     args = parser.parse_args(argv)
-    runs = [load_run(p) for p in args.runs]
-    for run in runs:
-        if not run.steps:
-            print(f"{run.path}: no training steps in metrics.jsonl", file=sys.stderr)
-            return 1
+    runs = load_runs(args.runs)
+    if runs is None:
+        return 1
     print("## Throughput\n")
     print(throughput_table(runs))
     traced = [r for r in runs if r.trace]

@@ -15,7 +15,7 @@ other machines bring their own clocks.
   trace.json atomically at each checkpoint and at the end of the run, with the drop
   counts in "otherData".
 
-analysis/rundata.py (`read_trace`) reads the file; the span names below are what the
+async_rl/run_dir.py (`read_trace`) reads the file; the span names below are what the
 analysis scripts look for, so they are a contract.
 """
 from __future__ import annotations

@@ -59,3 +59,14 @@ class GenerationEngine(Protocol):
     def set_version(self, version: int) -> None:
         """Record that the loaded weights are now policy version `version`."""
         ...
+
+
+def check_generate_args(prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
+                        greedy: bool) -> None:
+    """The arguments every engine's `generate` refuses, with the same message."""
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got {n=}, {max_new_tokens=}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt: there is no token to condition on")
+    if not greedy and not (temperature > 0.0 and 0.0 < top_p <= 1.0):
+        raise ValueError(f"need temperature > 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")

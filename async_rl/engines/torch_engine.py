@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from async_rl.engines.base import Completion
+from async_rl.engines.base import Completion, check_generate_args
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -145,12 +145,7 @@ class TorchEngine:
     ) -> list[list[Completion]]:
         if not prompts:
             return []
-        if n < 1 or max_new_tokens < 1:
-            raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got {n=}, {max_new_tokens=}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt: there is no token to condition on")
-        if not greedy and not (temperature > 0.0 and 0.0 < top_p <= 1.0):
-            raise ValueError(f"need temperature > 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
+        check_generate_args(prompts, n, max_new_tokens, temperature, top_p, greedy)
 
         dev = self.device
         input_ids, mask = self._left_pad(prompts)

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from async_rl.engines.base import Completion
+from async_rl.engines.base import Completion, check_generate_args
 from async_rl.weight_sync.plan import Spec
 from async_rl.weight_sync.vllm import VLLMWeightReceiver
 from async_rl.weight_sync.vllm_api import require_vllm
@@ -163,12 +163,7 @@ class VLLMEngine:
     ) -> list[list[Completion]]:
         if not prompts:
             return []
-        if n < 1 or max_new_tokens < 1:
-            raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got {n=}, {max_new_tokens=}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt: there is no token to condition on")
-        if not greedy and not (temperature > 0.0 and 0.0 < top_p <= 1.0):
-            raise ValueError(f"need temperature > 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
+        check_generate_args(prompts, n, max_new_tokens, temperature, top_p, greedy)
         # One seed per call drawn from the actor's generator: reproducible, and distinct per batch.
         seed = None if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
         params = self._sampling_params(
