@@ -59,7 +59,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -69,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from async_rl.batching import build_batch, order_for_ranks  # noqa: E402
 from async_rl.runtime import peak_rss_mb  # noqa: E402
+from async_rl.transport import ExperienceGroup, Response  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
@@ -148,12 +148,15 @@ def synthetic_batch(args, vocab: int):
     groups = []
     for _ in range(args.groups):
         G = args.group_size
-        lengths = rng.integers(r0, r1 + 1, size=G).astype(np.int32)
-        groups.append(SimpleNamespace(
-            prompt_tokens=rng.integers(1, vocab, size=int(rng.integers(p0, p1 + 1))).astype(np.int32),
-            response_tokens=rng.integers(1, vocab, size=(G, r1)).astype(np.int32), response_lengths=lengths,
-            logprobs=(-rng.random((G, r1)) * 3).astype(np.float32), rewards=rng.integers(0, 2, size=G).astype(np.float32),
-            greedy_reward=None, truncated=(lengths == r1).astype(np.uint8)))
+        lengths = rng.integers(r0, r1 + 1, size=G)
+        prompt = rng.integers(1, vocab, size=int(rng.integers(p0, p1 + 1)))
+        tokens = rng.integers(1, vocab, size=(G, r1))  # each response: a row's first `lengths` tokens
+        logprobs = -rng.random((G, r1)) * 3
+        groups.append(ExperienceGroup.from_responses(
+            [Response(tokens[j, :n], logprobs[j, :n], np.zeros(n)) for j, n in enumerate(lengths)],
+            actor_id=0, group=len(groups), prompt_id=0, version=0, prompt_tokens=prompt.astype(np.int32),
+            rewards=rng.integers(0, 2, size=G).astype(np.float32), truncated=(lengths == r1).astype(np.uint8),
+            gen_seconds=0.0))
     return build_batch(groups, pad_id=0)
 
 

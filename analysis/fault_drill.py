@@ -107,11 +107,11 @@ def hostile_messages(n: int, seed: int = 0) -> list[list[bytes]]:
     from async_rl.transport import ExperienceGroup, Heartbeat, SyncDone, WorkRequest, encode
 
     rng = random.Random(seed)
-    g, t = 8, 4
+    g, t = 8, 4  # responses of t tokens each
     group = ExperienceGroup(
         actor_id=10**6, group=10**6, prompt_id=0, version=0, prompt_tokens=np.arange(1, 7, dtype=np.int32),
-        response_tokens=np.ones((g, t), np.int32), response_lengths=np.full(g, t, np.int32),
-        logprobs=np.full((g, t), -0.5, np.float32), token_versions=np.zeros((g, t), np.int32),
+        response_tokens=np.ones(g * t, np.int32), response_lengths=np.full(g, t, np.int32),
+        logprobs=np.full(g * t, -0.5, np.float32), token_versions=np.zeros(g * t, np.int32),
         rewards=np.ones(g, np.float32), truncated=np.zeros(g, np.uint8), gen_seconds=0.1)
     seeds = [encode(group), encode(WorkRequest(actor_id=10**6, version=0, max_groups=4)),
              encode(Heartbeat(actor_id=10**6, version=0, generated_groups=1)),

@@ -33,13 +33,13 @@ class Batch:
 
 
 def build_batch(groups, pad_id: int) -> Batch:
-    """groups: ExperienceGroup messages (numpy arrays)."""
+    """The learner's rows of `groups` (ExperienceGroup messages): the one conversion
+    from the ragged sample format to the padded row layout."""
     rows = []
     for g_index, g in enumerate(groups):
         prompt = np.asarray(g.prompt_tokens, dtype=np.int64)
-        for j in range(g.response_tokens.shape[0]):
-            n = int(g.response_lengths[j])
-            rows.append((prompt, g.response_tokens[j, :n].astype(np.int64), g.logprobs[j, :n],
+        for j, response in enumerate(g.responses()):
+            rows.append((prompt, response.tokens.astype(np.int64), response.logprobs,
                          float(g.rewards[j]), g_index, g.greedy_reward, int(g.truncated[j])))
     N = len(rows)
     L = max(len(p) + len(r) for p, r, *_ in rows)

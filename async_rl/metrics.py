@@ -68,7 +68,7 @@ CUSTOM_SCALARS = {
 def batch_histograms(groups: Sequence[Any], staleness: Sequence[int]) -> dict[str, np.ndarray]:
     """Per-sample distributions of one batch (ExperienceGroup messages and each group's
     staleness); the learner adds the importance weights after its step."""
-    per_group = [g.response_tokens.shape[0] for g in groups]
+    per_group = [len(g.response_lengths) for g in groups]
     return {"staleness/per_sample": np.repeat(np.asarray(staleness, dtype=np.int64), per_group),
             "train/response_len": np.concatenate([g.response_lengths for g in groups]),
             "train/reward": np.concatenate([g.rewards for g in groups])}
@@ -81,23 +81,16 @@ def version_mix(groups: Sequence[Any], learner_version: int) -> dict[str, float]
     within the sample, then over samples. A sample's staleness (`staleness/*`) counts
     from its oldest token, so `staleness/mean` is never below the token figure, and is
     above it whenever some sample spans versions."""
-    mixed = samples = scored = 0
-    token_staleness = 0.0
-    for g in groups:
-        versions, lengths = np.asarray(g.token_versions, dtype=np.int64), np.asarray(g.response_lengths)
-        samples += len(lengths)
-        valid = np.arange(versions.shape[1])[None, :] < lengths[:, None]
-        rows = lengths > 0  # a response without tokens has no token staleness
-        if not rows.any():
-            continue
-        newest = np.where(valid, versions, np.iinfo(np.int64).min).max(axis=1)
-        oldest = np.where(valid, versions, np.iinfo(np.int64).max).min(axis=1)
-        mixed += int(((newest > oldest) & rows).sum())
-        per_sample = np.where(valid, learner_version - versions, 0).sum(axis=1)[rows] / lengths[rows]
-        token_staleness += float(per_sample.sum())
-        scored += int(rows.sum())
-    return {"actors/mixed_version_frac": mixed / max(1, samples),
-            "actors/token_staleness_mean": token_staleness / max(1, scored)}
+    # Flat over the batch: the groups' responses end to end, cut at their starts.
+    versions = np.concatenate([g.token_versions for g in groups]).astype(np.int64)
+    lengths = np.concatenate([g.response_lengths for g in groups]).astype(np.int64)
+    starts = (np.cumsum(lengths) - lengths)[lengths > 0]  # a response without tokens has no token staleness
+    if not starts.size:
+        return {"actors/mixed_version_frac": 0.0, "actors/token_staleness_mean": 0.0}
+    mixed = np.maximum.reduceat(versions, starts) > np.minimum.reduceat(versions, starts)
+    token_staleness = learner_version - np.add.reduceat(versions, starts) / lengths[lengths > 0]
+    return {"actors/mixed_version_frac": float(mixed.sum()) / len(lengths),
+            "actors/token_staleness_mean": float(token_staleness.mean())}
 
 
 def _cell(text: str) -> str:
@@ -111,8 +104,7 @@ def generations_table(groups: Sequence[Any], prompt_format, rows: int = GENERATI
     lines = ["| prompt | response | reward | version |", "|---|---|---|---|"]
     for g in groups[:rows]:
         prompt = prompt_format.display(np.asarray(g.prompt_tokens).tolist(), truncated=False)
-        response = prompt_format.display(g.response_tokens[0, :int(g.response_lengths[0])].tolist(),
-                                         truncated=bool(g.truncated[0]))
+        response = prompt_format.display(g.responses()[0].tokens.tolist(), truncated=bool(g.truncated[0]))
         lines.append(f"| {_cell(prompt)} | {_cell(response)} | {float(g.rewards[0]):.3g} | {g.version} |")
     return "\n".join(lines)
 

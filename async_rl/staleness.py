@@ -4,9 +4,9 @@ learner, the metrics and the simulator.
 A *version* counts learner steps: the weights after step k are version k (an optimizer
 step inside a learner step does not count). Every generated token records the version
 of the weights that sampled it (a weight update can land between two decode steps).
-A response's, and its prompt group's, version is that of its OLDEST real token, so a
+A response's, and its prompt group's, version is that of its OLDEST token, so a
 group consumed at learner version V has staleness V - version and staleness is never
-understated. Padding positions past a response's length carry no version.
+understated.
 
 The bound (AReaL's admission rule, made exact in admission.py): the group with
 admission index i is consumed at version floor(i / B) (B = train.batch_groups), so
@@ -18,16 +18,10 @@ from __future__ import annotations
 import numpy as np
 
 
-def real_tokens(lengths: np.ndarray, width: int) -> np.ndarray:
-    """Bool [G, width]: position t of response j is a real token (t < lengths[j]), not padding."""
-    return np.arange(width)[None, :] < np.asarray(lengths)[:, None]
-
-
-def group_version(token_versions: np.ndarray, lengths: np.ndarray, default: int) -> int:
-    """The version of a group's oldest real token; `default` (the generating weights)
-    when no response has a token."""
-    versions = token_versions[real_tokens(lengths, token_versions.shape[1])]
-    return int(versions.min()) if versions.size else int(default)
+def group_version(token_versions: np.ndarray, default: int) -> int:
+    """The version of a group's oldest token (`token_versions`: all its responses'
+    tokens, flat); `default` (the generating weights) when no response has a token."""
+    return int(token_versions.min()) if token_versions.size else int(default)
 
 
 def staleness(learner_version: int, version: int) -> int:

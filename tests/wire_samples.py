@@ -29,16 +29,18 @@ TIMEOUT_MS = 2000
 
 
 def make_group(g: int = 4, t: int = 6, p: int = 5, seed: int = 0) -> ExperienceGroup:
+    """`g` responses of 1..`t` tokens each, end to end."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, t + 1, size=g).astype(np.int32)
-    versions = rng.integers(3, 6, size=(g, t)).astype(np.int32)
-    versions[0, 0] = 2  # the oldest token; position 0 is always a real token
+    r = int(lengths.sum())
+    versions = rng.integers(3, 6, size=r).astype(np.int32)
+    versions[0] = 2  # the oldest token
     return ExperienceGroup(
         actor_id=1, group=17, prompt_id=42, version=2,
         prompt_tokens=rng.integers(0, 16, size=p).astype(np.int32),
-        response_tokens=rng.integers(0, 16, size=(g, t)).astype(np.int32),
+        response_tokens=rng.integers(0, 16, size=r).astype(np.int32),
         response_lengths=lengths,
-        logprobs=-rng.random((g, t), dtype=np.float32) * 3,
+        logprobs=-rng.random(r, dtype=np.float32) * 3,
         token_versions=versions,
         rewards=rng.random(g, dtype=np.float32),
         truncated=(lengths == t).astype(np.uint8),
@@ -128,14 +130,26 @@ def _group(**changes):
 
 def _nan_logprobs():
     lp = make_group().logprobs.copy()
-    lp[0, 0] = np.nan
+    lp[-1] = np.nan
     return _group(logprobs=lp)
 
 
 def _positive_logprobs():
     lp = make_group().logprobs.copy()
-    lp[0, 0] = 0.5
+    lp[-1] = 0.5  # the last token of the last response: every token is checked
     return _group(logprobs=lp)
+
+
+LENGTHS = make_group().response_lengths
+R = int(LENGTHS.sum())  # make_group()'s response tokens
+
+
+def _lengths(*changes):
+    """make_group() with (response, new length) pairs applied to its lengths."""
+    lengths = LENGTHS.copy()
+    for j, n in changes:
+        lengths[j] = n
+    return _group(response_lengths=lengths)
 
 
 HELLO = SAMPLES[0]
@@ -173,7 +187,8 @@ CASES = {
     "bad_port": (_header_edit(SAMPLES[5], _body(store_port=70000)), "bad_value"),
     "unsupported_dtype": (_header_edit(make_group(), _array("logprobs", dtype="float64")), "bad_dtype"),
     "wrong_dtype": (_header_edit(make_group(), _array("logprobs", dtype="int32")), "bad_dtype"),
-    "ndim_3": (_header_edit(make_group(), _array("logprobs", shape=[4, 6, 1])), "bad_shape"),
+    "ndim_3": (_header_edit(make_group(), _array("logprobs", shape=[R, 1, 1])), "bad_shape"),
+    "padded_layout": (encode(_group(response_tokens=np.zeros((4, 6), np.int32))), "bad_shape"),  # [G, T]
     "negative_dim": (_header_edit(make_group(), _array("rewards", shape=[-4])), "bad_shape"),
     "dim_too_large": (_header_edit(make_group(), _array("prompt_tokens", shape=[1 << 21])), "too_large"),
     "bad_array_ref": (_header_edit(make_group(), _array("rewards", name="mask")), "bad_header"),
@@ -189,12 +204,14 @@ CASES = {
                                   lambda f: [f[0], f[1][:-4], *f[2:]]), "shape_mismatch"),
     "nan_logprobs": (encode(_nan_logprobs()), "non_finite"),
     "positive_logprobs": (encode(_positive_logprobs()), "bad_value"),
-    "inconsistent_shapes": (encode(_group(token_versions=np.zeros((4, 7), np.int32))), "shape_mismatch"),
+    "inconsistent_shapes": (encode(_group(token_versions=np.zeros(R + 1, np.int32))), "shape_mismatch"),
     "rewards_shape": (encode(_group(rewards=np.zeros(5, np.float32))), "shape_mismatch"),
-    "length_above_t": (encode(_group(response_lengths=np.full(4, 7, np.int32))), "bad_value"),
+    "lengths_not_summing_to_r": (encode(_lengths((0, LENGTHS[0] + 1))), "shape_mismatch"),
+    "negative_length": (encode(_lengths((0, -1), (1, LENGTHS[0] + LENGTHS[1] + 1))), "bad_value"),  # sum still R
+    "length_above_max_tokens": (encode(_lengths((0, LIMITS.max_tokens + 1))), "too_large"),
     "negative_token": (encode(_group(prompt_tokens=np.array([1, -1], np.int32))), "bad_value"),
     "version_mismatch": (encode(_group(version=3)), "version_mismatch"),
-    "negative_version": (encode(_group(token_versions=np.full((4, 6), -1, np.int32))), "bad_value"),
+    "negative_version": (encode(_group(token_versions=np.full(R, -1, np.int32))), "bad_value"),
     "spans_names_longer": (encode(make_spans(names=["generate"] * 4)), "shape_mismatch"),
     "spans_dur_shorter": (encode(make_spans(dur_us=np.full(2, 250, np.int64))), "shape_mismatch"),
     "spans_args_width": (encode(make_spans(args=np.full((3, 2), -1, np.int64))), "shape_mismatch"),
@@ -209,8 +226,8 @@ CASES = {
                           "bad_dtype"),
     "spans_negative_dropped": (_header_edit(make_spans(), _body(dropped=-1)), "bad_value"),
     "empty_group": (encode(_group(
-        response_tokens=np.zeros((0, 6), np.int32), response_lengths=np.zeros(0, np.int32),
-        logprobs=np.zeros((0, 6), np.float32), token_versions=np.zeros((0, 6), np.int32),
+        response_tokens=np.zeros(0, np.int32), response_lengths=np.zeros(0, np.int32),
+        logprobs=np.zeros(0, np.float32), token_versions=np.zeros(0, np.int32),
         rewards=np.zeros(0, np.float32), truncated=np.zeros(0, np.uint8))), "bad_value"),
     "truncated_not_0_or_1": (encode(_group(truncated=np.full(4, 2, np.uint8))), "bad_value"),
     "eval_result_shapes": (encode(EvalResult(actor_id=3, round=0, version=0, prompt_ids=[1, 2],

@@ -31,7 +31,7 @@ from ..prompting import stop_token_ids
 from ..tasks import PromptIndex
 from ..staleness import group_version
 from ..tasks.reward_guard import REASONS, RewardGuard
-from ..transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, SyncDone,
+from ..transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, Response, SyncDone,
                          SyncOrder, TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, encode, send)
 from ..transport.security import secure_client
 from .hub_client import ConnectError, HubClient, register
@@ -349,27 +349,13 @@ def rollout(engine, prompt_format, task, prompts: PromptIndex, cfg: Config, gran
             rewards_of.append(np.array([reward(p.text, prompt_format.response_text(c.tokens.tolist()), p.answer)
                                         for c in samples], dtype=np.float32))
             errors[k] = [a + b for a, b in zip(errors[k], reward.take_counts())]
-    tokenizer = prompt_format.tokenizer
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     out = []
     for k, samples in enumerate(completions):
-        T = max(1, max(len(c.tokens) for c in samples))
-        tokens = np.full((G, T), pad, dtype=np.int32)
-        logprobs = np.zeros((G, T), dtype=np.float32)
-        versions = np.zeros((G, T), dtype=np.int32)
-        lengths = np.zeros(G, dtype=np.int32)
-        for j, c in enumerate(samples):
-            n = len(c.tokens)
-            tokens[j, :n] = c.tokens.numpy()
-            logprobs[j, :n] = c.logprobs.numpy()
-            versions[j, :n] = c.versions.numpy()
-            versions[j, n:] = engine.version
-            lengths[j] = n
-        out.append(encode(ExperienceGroup(
-            actor_id=actor_id, group=grant.groups[k], prompt_id=grant.prompt_ids[k],
-            version=group_version(versions, lengths, default=engine.version),
-            prompt_tokens=np.asarray(prompt_tokens[k], dtype=np.int32), response_tokens=tokens,
-            response_lengths=lengths, logprobs=logprobs, token_versions=versions, rewards=rewards_of[k],
+        responses = [Response(c.tokens.numpy(), c.logprobs.numpy(), c.versions.numpy()) for c in samples]
+        out.append(encode(ExperienceGroup.from_responses(
+            responses, actor_id=actor_id, group=grant.groups[k], prompt_id=grant.prompt_ids[k],
+            version=group_version(np.concatenate([r.versions for r in responses]), default=engine.version),
+            prompt_tokens=np.asarray(prompt_tokens[k], dtype=np.int32), rewards=rewards_of[k],
             truncated=np.array([not c.finished for c in samples], dtype=np.uint8),
             gen_seconds=gen_seconds, greedy_reward=greedy_rewards[k], reward_errors=errors[k])))
     return out

@@ -344,7 +344,7 @@ class Coordinator:
         reason = None
         if msg.version < grant.version or msg.version > self.version:
             reason = "bad_version"
-        elif msg.response_tokens.shape[0] != self.cfg.train.group_size or msg.prompt_id != grant.prompt_id:
+        elif len(msg.response_lengths) != self.cfg.train.group_size or msg.prompt_id != grant.prompt_id:
             reason = "bad_group"
         elif self.cfg.train.advantage == "remax" and msg.greedy_reward is None:
             reason = "missing_baseline"

@@ -8,12 +8,13 @@ raw frames (see :mod:`.wire`). Rules across fields that a schema cannot state li
 """
 
 import sys
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, NamedTuple, Optional, Sequence, Union
 
 import msgspec
 import numpy as np
 from msgspec import Meta, field
 
+from ..staleness import group_version
 from ..tasks.reward_guard import REASONS, zero_counts
 from ..tracing import ACTOR_SPANS, MAX_TRACE_US, SPAN_ARG_KEYS
 
@@ -157,19 +158,33 @@ class Goodbye(Message, tag="goodbye"):
     rejoin: bool = False  # hub -> actor: you were removed (silent too long, or disconnected); register again
 
 
+class Response(NamedTuple):
+    """One response of an ExperienceGroup: its tokens, each token's sampling log-prob
+    and the policy version that sampled it."""
+
+    tokens: np.ndarray  # int32 [n]
+    logprobs: np.ndarray  # float32 [n]
+    versions: np.ndarray  # int32 [n]
+
+
 # eq=False: a generated __eq__ would compare ndarrays, whose truth is ambiguous.
 class ExperienceGroup(Message, tag="experience_group", eq=False):
-    """actor -> learner: ONE prompt group (G responses, right-padded to T)."""
+    """actor -> learner: ONE prompt group, the training-sample format. The prompt
+    travels once; the G responses travel end to end in flat [R] arrays (R = the sum of
+    `response_lengths`), response j at offsets sum(lengths[:j]) .. sum(lengths[:j+1]);
+    `responses()` hands them out, `from_responses` builds a group. Nothing is padded:
+    every response token was sampled by the policy and is trained, so no loss mask
+    travels, and no reader has to know which positions are padding."""
 
     actor_id: Count
     group: Count  # admission index
     prompt_id: Count
-    version: Count  # oldest token version in the group
+    version: Count  # the oldest token's (staleness.py)
     prompt_tokens: Int32Vector  # [P]
-    response_tokens: Int32Matrix  # [G, T], padded with pad id
+    response_tokens: Int32Vector  # [R]
     response_lengths: Int32Vector  # [G]
-    logprobs: Float32Matrix  # [G, T], sampling distribution
-    token_versions: Int32Matrix  # [G, T]
+    logprobs: Float32Vector  # [R], under the sampling distribution
+    token_versions: Int32Vector  # [R]
     rewards: Float32Vector  # [G]
     truncated: UInt8Vector  # [G] 1 = cut at the length limit (no stop token)
     gen_seconds: NonNegative
@@ -177,39 +192,55 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
     # Samples (and the greedy baseline) scored reward.fallback, per reward_guard.REASONS.
     reward_errors: list[Count] = field(default_factory=zero_counts)
 
+    @classmethod
+    def from_responses(cls, responses: Sequence[Response], **fields: Any) -> "ExperienceGroup":
+        """The group of `responses`, in order (their arrays: anything numpy reads, CPU
+        tensors too); `fields`: every other field."""
+        def flat(arrays: list, dtype: type) -> np.ndarray:
+            return np.concatenate([np.asarray(a, dtype=dtype) for a in arrays]) if arrays else np.zeros(0, dtype)
+
+        return cls(response_tokens=flat([r.tokens for r in responses], np.int32),
+                   response_lengths=np.array([len(r.tokens) for r in responses], dtype=np.int32),
+                   logprobs=flat([r.logprobs for r in responses], np.float32),
+                   token_versions=flat([r.versions for r in responses], np.int32), **fields)
+
+    def responses(self) -> list[Response]:
+        """The G responses, in order (views: no copy)."""
+        ends = np.cumsum(self.response_lengths, dtype=np.int64).tolist()
+        starts = [0, *ends[:-1]]
+        return [Response(self.response_tokens[a:b], self.logprobs[a:b], self.token_versions[a:b])
+                for a, b in zip(starts, ends)]
+
     def check(self, limits: "WireLimits") -> str | None:
-        g, t = self.response_tokens.shape
+        lengths = self.response_lengths
+        g, r = len(lengths), len(self.response_tokens)
         if (
-            self.logprobs.shape != (g, t)
-            or self.token_versions.shape != (g, t)
-            or self.response_lengths.shape != (g,)
+            self.logprobs.shape != (r,)
+            or self.token_versions.shape != (r,)
             or self.rewards.shape != (g,)
             or self.truncated.shape != (g,)
         ):
             return "shape_mismatch"
-        if g > limits.max_group_size or max(t, len(self.prompt_tokens)) > limits.max_tokens:
+        if g > limits.max_group_size or max(len(self.prompt_tokens), lengths.max(initial=0)) > limits.max_tokens:
             return "too_large"
-        lengths = self.response_lengths
-        if g == 0 or (lengths < 0).any() or (lengths > t).any():
+        if g == 0 or (lengths < 0).any():
             return "bad_value"
+        if int(lengths.sum(dtype=np.int64)) != r:
+            return "shape_mismatch"
         if len(self.reward_errors) != len(REASONS):
             return "shape_mismatch"
         if sum(self.reward_errors) > g + (self.greedy_reward is not None):
             return "bad_value"
         if (self.prompt_tokens < 0).any() or (self.response_tokens < 0).any() or (self.truncated > 1).any():
             return "bad_value"
-        # Padding positions carry no meaning; only real tokens are checked.
-        valid = np.arange(t)[None, :] < lengths[:, None]
-        if (self.logprobs[valid] > LOGPROB_TOLERANCE).any():
+        if (self.logprobs > LOGPROB_TOLERANCE).any():
             return "bad_value"
-        versions = self.token_versions[valid]
-        if versions.size:
-            if versions.min() < 0:
-                return "bad_value"
-            # The group's version is what staleness is measured on: it must be
-            # exactly the oldest token's, or admission accounting lies.
-            if int(versions.min()) != self.version:
-                return "version_mismatch"
+        if r and self.token_versions.min() < 0:
+            return "bad_value"
+        # The group's version is what staleness is measured on: it must be exactly
+        # the oldest token's, or admission accounting lies.
+        if group_version(self.token_versions, default=self.version) != self.version:
+            return "version_mismatch"
         return None
 
 

@@ -19,7 +19,7 @@ from msgspec import Meta
 from .messages import MESSAGE_TYPES, AnyMessage, ArraySpec, Message
 from .rejects import RejectCounter, WireError, array_ref_rejection, header_rejection, header_reason
 
-SCHEMA = 2
+SCHEMA = 3
 
 # Byte order is pinned so that mixed-endian hosts would fail loudly, not silently.
 _DTYPES = {"uint8": np.dtype("u1"), "int32": np.dtype("<i4"), "int64": np.dtype("<i8"),

@@ -145,12 +145,12 @@ def pusher(ctx: zmq.Context, addr: str) -> zmq.Socket:
 
 
 def group_msg(actor_id: int, index: int, prompt_id: int, g: int = 2) -> ExperienceGroup:
-    T = 3
+    T = 3  # tokens per response
     return ExperienceGroup(
         actor_id=actor_id, group=index, prompt_id=prompt_id, version=0,
-        prompt_tokens=np.array([1, 5, 6], dtype=np.int32), response_tokens=np.full((g, T), 4, dtype=np.int32),
-        response_lengths=np.full(g, T, dtype=np.int32), logprobs=np.full((g, T), -0.5, dtype=np.float32),
-        token_versions=np.zeros((g, T), dtype=np.int32), rewards=np.zeros(g, dtype=np.float32),
+        prompt_tokens=np.array([1, 5, 6], dtype=np.int32), response_tokens=np.full(g * T, 4, dtype=np.int32),
+        response_lengths=np.full(g, T, dtype=np.int32), logprobs=np.full(g * T, -0.5, dtype=np.float32),
+        token_versions=np.zeros(g * T, dtype=np.int32), rewards=np.zeros(g, dtype=np.float32),
         truncated=np.zeros(g, np.uint8), gen_seconds=0.1)
 
 

@@ -9,22 +9,19 @@ import torch
 import torch.distributed as dist
 
 from async_rl.batching import build_batch, order_for_ranks, scatter_batch
-from async_rl.transport import ExperienceGroup
+from async_rl.transport import ExperienceGroup, Response
 
 PAD = 0
 
 
 def group(prompt, responses, logprob=-0.5, reward=1.0, greedy=None):
     G, T = len(responses), max(len(r) for r in responses)
-    tokens = np.full((G, T), PAD, np.int32)
-    for j, r in enumerate(responses):
-        tokens[j, :len(r)] = r
     lengths = np.array([len(r) for r in responses], np.int32)
-    return ExperienceGroup(
+    return ExperienceGroup.from_responses(
+        [Response(r, np.full(len(r), logprob), np.zeros(len(r))) for r in responses],
         actor_id=0, group=0, prompt_id=0, version=0, prompt_tokens=np.array(prompt, np.int32),
-        response_tokens=tokens, response_lengths=lengths, logprobs=np.full((G, T), logprob, np.float32),
-        token_versions=np.zeros((G, T), np.int32), rewards=np.full(G, reward, np.float32),
-        truncated=(lengths == T).astype(np.uint8), gen_seconds=0.0, greedy_reward=greedy)
+        rewards=np.full(G, reward, np.float32), truncated=(lengths == T).astype(np.uint8), gen_seconds=0.0,
+        greedy_reward=greedy)
 
 
 def test_rows_are_prompt_then_response_and_predictions_shift_by_one():

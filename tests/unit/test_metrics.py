@@ -2,12 +2,12 @@
 logger's TensorBoard histograms, texts and custom-scalars layout next to a flat
 metrics.jsonl. (A real run's TensorBoard output: tests/integration/test_observability_run.py.)"""
 import json
-from types import SimpleNamespace
 
 import numpy as np
 from conftest import layout_categories, read_tensorboard, text_at
 
 from async_rl.metrics import CUSTOM_SCALARS, GENERATIONS_TAG, MetricsLogger, batch_histograms, generations_table
+from async_rl.transport import ExperienceGroup, Response
 
 
 class FakeTokenizer:
@@ -16,10 +16,10 @@ class FakeTokenizer:
 
 
 def fake_group(version=1, rewards=(1.0, 0.0), truncated=(0, 1)):
-    return SimpleNamespace(prompt_tokens=np.array([0, 1], np.int32), version=version,
-                           response_tokens=np.array([[2, 30, 3], [4, 5, 6]], np.int32),
-                           response_lengths=np.array([2, 3], np.int32), rewards=np.array(rewards, np.float32),
-                           truncated=np.array(truncated, np.uint8))
+    return ExperienceGroup.from_responses(
+        [Response([2, 30], [-0.5] * 2, [version] * 2), Response([4, 5, 6], [-0.5] * 3, [version] * 3)],
+        actor_id=0, group=0, prompt_id=0, version=version, prompt_tokens=np.array([0, 1], np.int32),
+        rewards=np.array(rewards, np.float32), truncated=np.array(truncated, np.uint8), gen_seconds=0.0)
 
 
 def test_batch_histograms_have_one_value_per_sample():

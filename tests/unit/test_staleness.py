@@ -1,19 +1,13 @@
 """The version and staleness rules of async_rl/staleness.py, on hand-computed cases."""
 import numpy as np
 
-from async_rl.staleness import admission_limit, consumed_at, group_version, real_tokens, staleness
+from async_rl.staleness import admission_limit, consumed_at, group_version, staleness
 
 
-def test_real_tokens_excludes_padding():
-    mask = real_tokens(np.array([2, 0, 3]), 3)
-    assert mask.tolist() == [[True, True, False], [False, False, False], [True, True, True]]
-
-
-def test_group_version_is_the_oldest_real_token():
-    versions = np.array([[5, 4, 1],    # the 1 is padding (length 2)
-                         [6, 6, 6]], np.int32)
-    assert group_version(versions, np.array([2, 3]), default=9) == 4
-    assert group_version(versions, np.array([0, 0]), default=9) == 9  # no token at all
+def test_group_version_is_the_oldest_token():
+    versions = np.array([5, 4] + [6, 6, 6], np.int32)  # two responses, end to end
+    assert group_version(versions, default=9) == 4
+    assert group_version(np.zeros(0, np.int32), default=9) == 9  # no token at all
 
 
 def test_the_admission_limit_bounds_staleness_by_eta():

@@ -1,7 +1,6 @@
 """torchrun worker: one learner train_step on a fixed synthetic batch; writes the updated
 full parameters. Run with 1 and with 2 ranks; FSDP2 must give the same result."""
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -17,6 +16,7 @@ from async_rl.runtime import exit_now
 from async_rl.models.sharding import full_parameters, shard_model
 from async_rl.roles.learner import shutdown_world
 from async_rl.train_step import Models, train_step
+from async_rl.transport import ExperienceGroup, Response
 
 # Named variants of the train section; each exercises a different cross-rank path.
 VARIANTS = {
@@ -37,14 +37,15 @@ def synthetic_groups(n_groups: int, G: int, seed: int):
     for _ in range(n_groups):
         P = int(rng.integers(3, 7))
         T = int(rng.integers(2, 6))
-        lengths = rng.integers(1, T + 1, size=G).astype(np.int32)
-        groups.append(SimpleNamespace(
-            prompt_tokens=rng.integers(3, 16, size=P).astype(np.int32),
-            response_tokens=rng.integers(3, 16, size=(G, T)).astype(np.int32),
-            response_lengths=lengths,
-            logprobs=(-rng.random((G, T)) * 3).astype(np.float32),
-            rewards=rng.integers(0, 2, size=G).astype(np.float32), greedy_reward=None,
-            truncated=(lengths == T).astype(np.uint8)))
+        lengths = rng.integers(1, T + 1, size=G)
+        prompt = rng.integers(3, 16, size=P)
+        tokens = rng.integers(3, 16, size=(G, T))  # each response: a row's first `lengths` tokens
+        logprobs = -rng.random((G, T)) * 3
+        groups.append(ExperienceGroup.from_responses(
+            [Response(tokens[j, :n], logprobs[j, :n], np.zeros(n)) for j, n in enumerate(lengths)],
+            actor_id=0, group=len(groups), prompt_id=0, version=0, prompt_tokens=prompt.astype(np.int32),
+            rewards=rng.integers(0, 2, size=G).astype(np.float32), truncated=(lengths == T).astype(np.uint8),
+            gen_seconds=0.0))
     return groups
 
 

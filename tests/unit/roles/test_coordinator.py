@@ -24,12 +24,12 @@ def hub(tmp_path):
 
 
 def group_msg(actor_id, index, prompt_id, version=0, logprob=-0.5):
-    T = 3
+    R = 3 + 2  # responses of 3 and 2 tokens
     return ExperienceGroup(
         actor_id=actor_id, group=index, prompt_id=prompt_id, version=version,
-        prompt_tokens=np.array([1, 5, 6, 7], dtype=np.int32), response_tokens=np.full((G, T), 4, dtype=np.int32),
-        response_lengths=np.array([3, 2], dtype=np.int32), logprobs=np.full((G, T), logprob, dtype=np.float32),
-        token_versions=np.full((G, T), version, dtype=np.int32), rewards=np.array([1.0, 0.0], dtype=np.float32),
+        prompt_tokens=np.array([1, 5, 6, 7], dtype=np.int32), response_tokens=np.full(R, 4, dtype=np.int32),
+        response_lengths=np.array([3, 2], dtype=np.int32), logprobs=np.full(R, logprob, dtype=np.float32),
+        token_versions=np.full(R, version, dtype=np.int32), rewards=np.array([1.0, 0.0], dtype=np.float32),
         truncated=np.zeros(G, np.uint8), gen_seconds=0.1)
 
 

@@ -21,9 +21,9 @@ G, B = 2, 4
 def group(actor_id: int, index: int, prompt_id: int, version: int, logprob: float = -0.5) -> ExperienceGroup:
     return ExperienceGroup(
         actor_id=actor_id, group=index, prompt_id=prompt_id, version=version,
-        prompt_tokens=np.array([1, 5], dtype=np.int32), response_tokens=np.full((G, 2), 4, dtype=np.int32),
-        response_lengths=np.array([2, 1], dtype=np.int32), logprobs=np.full((G, 2), logprob, dtype=np.float32),
-        token_versions=np.full((G, 2), version, dtype=np.int32), rewards=np.array([1.0, 0.0], dtype=np.float32),
+        prompt_tokens=np.array([1, 5], dtype=np.int32), response_tokens=np.full(2 + 1, 4, dtype=np.int32),
+        response_lengths=np.array([2, 1], dtype=np.int32), logprobs=np.full(2 + 1, logprob, dtype=np.float32),
+        token_versions=np.full(2 + 1, version, dtype=np.int32), rewards=np.array([1.0, 0.0], dtype=np.float32),
         truncated=np.zeros(G, np.uint8), gen_seconds=0.1)
 
 

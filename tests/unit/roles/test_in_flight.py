@@ -134,18 +134,18 @@ def test_unfinished_responses_keep_their_kv_cache() -> None:
 def test_oldest_token_is_the_sample_version_and_learner_metrics() -> None:
     """What the actor makes of such responses (group version = oldest token, checked by
     the wire) and what the learner logs about them."""
-    tv = np.array([[2, 2, 3, 3], [2, 2, 2, 9], [3, 3, 3, 3]], dtype=np.int32)  # row 1: the 9 is padding
+    tv = np.array([2, 2, 3, 3] + [2, 2, 2] + [3, 3, 3, 3], dtype=np.int32)  # three responses, end to end
     lengths = np.array([4, 3, 4], dtype=np.int32)
 
     def group(version: int) -> ExperienceGroup:
         return ExperienceGroup(actor_id=0, group=0, prompt_id=0, version=version,
-                               prompt_tokens=np.array([1, 2], np.int32), response_tokens=np.ones((3, 4), np.int32),
-                               response_lengths=lengths, logprobs=np.full((3, 4), -0.5, np.float32),
+                               prompt_tokens=np.array([1, 2], np.int32), response_tokens=np.ones(11, np.int32),
+                               response_lengths=lengths, logprobs=np.full(11, -0.5, np.float32),
                                token_versions=tv, rewards=np.zeros(3, np.float32), truncated=np.zeros(3, np.uint8),
                                gen_seconds=0.1)
 
     assert decode(encode(group(2)), WireLimits()).version == 2
-    for wrong in (3, 9):  # the newest token's, or padding's: refused
+    for wrong in (3, 9):  # the newest token's, or one no token has: refused
         with pytest.raises(Exception, match="version_mismatch"):
             decode(encode(group(wrong)), WireLimits())
     mix = version_mix([group(2)], learner_version=4)
@@ -300,14 +300,14 @@ def test_hub_answers_polls_during_a_grant_and_takes_mixed_version_groups(tmp_pat
         assert isinstance(ask(WorkRequest(actor_id=actor_id, version=0, max_groups=0)), Wait)
         assert coord.granted[0].actor_id == actor_id and coord.admission.admitted == 1
         coord.advance(2)  # the learner moved on while the response was being generated
-        tv = np.array([[0, 1, 2], [0, 0, 2]], dtype=np.int32)
+        tv = np.array([0, 1, 2] + [0, 0, 2], dtype=np.int32)  # two responses of 3 tokens
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
         push.connect(coord.experience_addr)
         send(push, ExperienceGroup(
             actor_id=actor_id, group=0, prompt_id=grant.prompt_ids[0], version=0,
-            prompt_tokens=np.array([1, 5], np.int32), response_tokens=np.full((G, 3), 4, np.int32),
-            response_lengths=np.array([3, 3], np.int32), logprobs=np.full((G, 3), -0.5, np.float32),
+            prompt_tokens=np.array([1, 5], np.int32), response_tokens=np.full(G * 3, 4, np.int32),
+            response_lengths=np.array([3, 3], np.int32), logprobs=np.full(G * 3, -0.5, np.float32),
             token_versions=tv, rewards=np.array([1.0, 0.0], np.float32), truncated=np.zeros(G, np.uint8),
             gen_seconds=0.1))
         taken = coord.take(1, version=2, timeout=5)

@@ -148,8 +148,8 @@ def test_off_the_main_thread_it_guards_without_a_timeout():
 def _group(**changes):
     g = 4
     fields = dict(actor_id=1, group=0, prompt_id=0, version=0, prompt_tokens=np.zeros(3, np.int32),
-                  response_tokens=np.zeros((g, 2), np.int32), response_lengths=np.full(g, 2, np.int32),
-                  logprobs=np.zeros((g, 2), np.float32), token_versions=np.zeros((g, 2), np.int32),
+                  response_tokens=np.zeros(g * 2, np.int32), response_lengths=np.full(g, 2, np.int32),
+                  logprobs=np.zeros(g * 2, np.float32), token_versions=np.zeros(g * 2, np.int32),
                   rewards=np.zeros(g, np.float32), truncated=np.zeros(g, np.uint8), gen_seconds=0.1)
     return ExperienceGroup(**{**fields, **changes})
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from async_rl.transport import (
     MESSAGE_TYPES,
     SCHEMA,
+    ExperienceGroup,
     Goodbye,
     RejectCounter,
     TraceSpans,
@@ -168,14 +169,24 @@ def test_invalid_trace_spans_are_rejected_and_counted(ctx):
     assert counter.by_reason() == {"shape_mismatch": 1, "unknown_span": 1, "bad_value": 1, "too_large": 1}
 
 
-def test_padding_is_not_checked_for_logprob_sign_or_version():
-    msg = make_group()
-    lp, tv = msg.logprobs.copy(), msg.token_versions.copy()
-    lengths = msg.response_lengths.copy()
-    lengths[1] = 1
-    lp[1, 1:], tv[1, 1:] = 5.0, 0  # padding: ignored by the group checks
-    got = decode(encode(_group(logprobs=lp, token_versions=tv, response_lengths=lengths)), LIMITS)
-    assert got.version == 2
+def test_responses_are_the_flat_arrays_cut_at_the_lengths():
+    msg = decode(encode(make_group()), LIMITS)
+    parts = msg.responses()
+    assert [len(r.tokens) for r in parts] == msg.response_lengths.tolist()
+    for name, field in (("tokens", "response_tokens"), ("logprobs", "logprobs"), ("versions", "token_versions")):
+        pieces = [getattr(r, name) for r in parts]
+        assert all(np.shares_memory(p, getattr(msg, field)) for p in pieces), name  # views, no copy
+        assert np.concatenate(pieces).tobytes() == getattr(msg, field).tobytes(), name
+    others = {f: getattr(msg, f) for f in msg.__struct_fields__
+              if f not in ("response_tokens", "response_lengths", "logprobs", "token_versions")}
+    assert_same(ExperienceGroup.from_responses(parts, **others), msg)
+
+
+def test_a_group_of_empty_responses_has_no_token_version_to_match():
+    empty = _group(response_tokens=np.zeros(0, np.int32), response_lengths=np.zeros(4, np.int32),
+                   logprobs=np.zeros(0, np.float32), token_versions=np.zeros(0, np.int32), version=9)
+    got = decode(encode(empty), LIMITS)
+    assert got.version == 9 and [len(r.tokens) for r in got.responses()] == [0, 0, 0, 0]
 
 
 def test_size_limits():
