@@ -147,7 +147,7 @@ started=$SECONDS
 while kill -0 "$learner" 2>/dev/null; do
     if [[ $announced -eq 0 && -f $run_dir/endpoints.json ]]; then
         announced=1
-        hub=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["hub"])' "$run_dir/endpoints.json")
+        hub=$("$PYTHON" -c 'import sys; from async_rl.run_dir import RunDir; print(RunDir(sys.argv[1]).endpoints()["hub"])' "$run_dir")
         echo "learner.sh: hub $hub (RUN_DIR/endpoints.json); start actors with:" >&2
         echo "    HUB=$hub${KEYS:+ KEYS=<copy of $KEYS>} NUM_ACTORS=<n> launch/actors.sh" >&2
         if [[ $hub == tcp://127.* || $hub == tcp://localhost:* ]]; then
@@ -170,7 +170,7 @@ fi
 if [[ $interrupted -eq 1 ]]; then exit 130; fi
 if [[ $rc -eq 0 && -f $run_dir/status.json ]]; then
     # The learner exits 0 and records why it stopped (e.g. 3: too many non-finite steps).
-    read -r code reason < <("$PYTHON" -c 'import json, sys; s = json.load(open(sys.argv[1])); print(int(s["exit_code"]), s["reason"])' "$run_dir/status.json")
+    read -r code reason < <("$PYTHON" -c 'import sys; from async_rl.run_dir import RunDir; s = RunDir(sys.argv[1]).status(); print(int(s["exit_code"]), s["reason"])' "$run_dir")
     if [[ $code -ne 0 ]]; then
         echo "learner.sh: $reason" >&2
         exit "$code"

@@ -2,7 +2,6 @@
 reaped as soon as their connection closes, training goes on with the survivors without a
 restart, and an actor started with only `--hub` gets the config and the current weights
 from the hub, joins the broadcast group and carries the training alone."""
-import json
 import math
 import os
 import signal
@@ -14,30 +13,13 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, alive, kill_tree, subprocess_env
 
+from async_rl.run_dir import RunDir
+
 MAX_STALENESS = 2  # configs/demo.yaml
 
 
-def step_lines(run: Path) -> list[dict]:
-    """Step lines written so far (the file is being appended to: skip a partial last line)."""
-    path = run / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if "loss/total" in record:
-            out.append(record)
-    return out
-
-
-def last_step(run: Path) -> int:
-    steps = step_lines(run)
-    return steps[-1]["step"] if steps else 0
-
-
 def actor_pids(run: Path) -> set[int]:
-    return {a["pid"] for a in json.loads((run / "endpoints.json").read_text())["actors"]}
+    return {a["pid"] for a in RunDir(run).endpoints()["actors"]}
 
 
 class Run:
@@ -55,16 +37,16 @@ class Run:
 
     def wait_for_progress(self, what: str, live: int, more_steps: int = 2) -> None:
         """Wait for a step logged with `live` actors, then `more_steps` further steps."""
-        start = last_step(self.dir)
+        start = RunDir(self.dir).last_step()
         self.wait(f"{what}: a step with actors/live == {live}",
-                  lambda: any(s["actors/live"] == live for s in step_lines(self.dir) if s["step"] > start))
-        seen = next(s["step"] for s in step_lines(self.dir) if s["step"] > start and s["actors/live"] == live)
-        self.wait(f"{what}: {more_steps} more steps", lambda: last_step(self.dir) >= seen + more_steps)
+                  lambda: any(s["actors/live"] == live for s in RunDir(self.dir).steps() if s["step"] > start))
+        seen = next(s["step"] for s in RunDir(self.dir).steps() if s["step"] > start and s["actors/live"] == live)
+        self.wait(f"{what}: {more_steps} more steps", lambda: RunDir(self.dir).last_step() >= seen + more_steps)
 
 
 def start_actor(run: Path, name: str, *cmd: str) -> tuple[subprocess.Popen, Path]:
     log = run / f"{name}.log"
-    hub = json.loads((run / "endpoints.json").read_text())["hub"]
+    hub = RunDir(run).endpoints()["hub"]
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, *cmd, "--hub", hub], env=subprocess_env(), stdout=out,
                                 stderr=subprocess.STDOUT, cwd=ROOT)
@@ -88,9 +70,9 @@ def test_actors_killed_and_started_during_a_run(tmp_path, demo_model):
     pids: set[int] = set()
     try:
         run.wait("two training steps, both actors registered",
-                 lambda: last_step(run_dir) >= 2 and len(actor_pids(run_dir)) == 2, timeout=120)
-        learner_pid = json.loads((run_dir / "endpoints.json").read_text())["learner_pid"]
-        first, second = json.loads((run_dir / "endpoints.json").read_text())["actors"]
+                 lambda: RunDir(run_dir).last_step() >= 2 and len(actor_pids(run_dir)) == 2, timeout=120)
+        learner_pid = RunDir(run_dir).endpoints()["learner_pid"]
+        first, second = RunDir(run_dir).endpoints()["actors"]
         pids = {learner_pid, first["pid"], second["pid"]}
 
         # 1. Kill an actor wherever it is (generating, or in a sync: they are frequent).
@@ -137,7 +119,7 @@ def test_actors_killed_and_started_during_a_run(tmp_path, demo_model):
     assert newcomer.returncode == 0, newcomer_log.read_text()[-2000:]
     assert "leaving: run finished" in newcomer_log.read_text()
 
-    steps = step_lines(run_dir)
+    steps = RunDir(run_dir).steps()
     assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))  # no restart
     for s in steps:
         assert s["staleness/max"] <= MAX_STALENESS and s["staleness/dropped"] == 0, s

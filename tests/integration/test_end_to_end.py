@@ -8,6 +8,7 @@ import pytest
 from conftest import alive, kill_tree, read_metrics, subprocess_env, train
 
 from async_rl.metrics import EVAL_KEYS, STEP_KEYS
+from async_rl.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +35,7 @@ def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):
     assert list((run / "tb").glob("events.out.tfevents.*"))
     cfg_text = (run / "config.yaml").read_text()
     assert "max_staleness: 2" in cfg_text and f"path: {demo_model}" in cfg_text
-    endpoints = json.loads((run / "endpoints.json").read_text())
+    endpoints = RunDir(run).endpoints()
     assert endpoints["hub"].startswith("tcp://127.0.0.1:") and endpoints["learner_pid"] > 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     assert json.loads((run / "checkpoints" / "step_000004" / "coordinator.json").read_text())["version"] == 4
@@ -118,13 +119,12 @@ def test_ctrl_c_stops_every_process_after_a_checkpoint(tmp_path, demo_model):
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
-            metrics = run / "metrics.jsonl"
-            if metrics.exists() and '"loss/total"' in metrics.read_text():
+            if RunDir(run).last_step() >= 1:
                 break
             time.sleep(0.2)
         else:
             pytest.fail("no training step within 120 s")
-        endpoints = json.loads((run / "endpoints.json").read_text())
+        endpoints = RunDir(run).endpoints()
         pids = [endpoints["learner_pid"]] + [a["pid"] for a in endpoints["actors"]]
         assert len(pids) == 3
         proc.send_signal(signal.SIGINT)

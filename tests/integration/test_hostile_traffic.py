@@ -1,6 +1,5 @@
 """Malformed and hostile messages sent to a training run's real endpoints: every one is
 rejected and counted, the run is unaffected and finishes with status 0."""
-import json
 import random
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from msgspec.structs import replace
 from conftest import ROOT, kill_tree, read_metrics, subprocess_env
 from wire_samples import CASES, make_group
 
+from async_rl.run_dir import RunDir
 from async_rl.transport import WorkRequest, encode
 
 # Well-formed messages the coordinator's state must refuse.
@@ -43,10 +43,10 @@ def test_thousands_of_malformed_messages_do_not_disturb_training(tmp_path, demo_
     ctx = zmq.Context()
     try:
         deadline = time.time() + 90
-        while not ((run / "metrics.jsonl").exists() and '"loss/total"' in (run / "metrics.jsonl").read_text()):
+        while RunDir(run).last_step() < 1:
             assert time.time() < deadline and proc.poll() is None, "no training step within 90 s"
             time.sleep(0.2)
-        endpoints = json.loads((run / "endpoints.json").read_text())
+        endpoints = RunDir(run).endpoints()
         push, dealer = ctx.socket(zmq.PUSH), ctx.socket(zmq.DEALER)
         for sock, addr in ((push, endpoints["experience"]), (dealer, endpoints["hub"])):
             sock.setsockopt(zmq.LINGER, 0)

@@ -1,7 +1,6 @@
 """The launcher under an operator's faults, on real runs: a second writer on a live run
 directory is refused, a launcher killed outright takes its whole run with it, and SIGHUP
 stops a run like SIGTERM (a checkpoint, final/, exit 129)."""
-import json
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import pytest
 from conftest import ROOT, alive, kill_tree, subprocess_env
 
 from async_rl.config import ConfigError
+from async_rl.run_dir import RunDir
 from async_rl.run_lock import RunLock
 from async_rl.runtime import process_tree
 
@@ -37,7 +37,7 @@ def environ(pid: int) -> dict[str, str]:
 
 def wait_training(run: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.time() + timeout
-    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("loss/total") >= 2):
+    while RunDir(run).last_step() < 2:
         assert proc.poll() is None and time.time() < deadline, "the run did not start training"
         time.sleep(0.1)
 
@@ -99,7 +99,7 @@ def test_sighup_stops_the_run_like_sigterm(tmp_path, demo_model):
     err = (tmp_path / "launcher.log").read_text()
     assert proc.returncode == 128 + signal.SIGHUP, err[-3000:]
     assert "stopping (SIGHUP)" in err and "Traceback" not in err
-    status = json.loads((run / "status.json").read_text())
+    status = RunDir(run).status()
     assert status["reason"].startswith("interrupted at step")
     assert (run / "final" / "model.safetensors").exists() and list((run / "checkpoints").glob("step_*"))
     assert not [p for p in tree[1:] if alive(p)]
@@ -128,7 +128,7 @@ def test_a_killed_learner_rank_is_one_console_line_with_the_resume_command(tmp_p
     assert f"--resume {run}" in failed[0]
     assert "Traceback" not in err and "ChildFailedError" not in err and "FAILED" not in err
     assert "SIGKILL" in (run / "logs" / "torchrun.log").read_text()
-    assert "SIGKILL" in json.loads((run / "status.json").read_text())["reason"]
+    assert "SIGKILL" in RunDir(run).status()["reason"]
     assert not [p for p in tree[1:] if alive(p)]
 
 

@@ -1,5 +1,4 @@
 """The coordinator over real ZeroMQ sockets, driven by a hand-written actor."""
-import json
 import subprocess
 import sys
 import time
@@ -10,6 +9,7 @@ import torch
 import zmq
 from conftest import ask, dealer, running_coordinator, wait_for
 
+from async_rl.run_dir import RunDir
 from async_rl.tasks.reward_guard import REASONS
 from async_rl.transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Hello, Wait, Welcome, WorkGrant, WorkRequest,
                                 encode, send)
@@ -38,7 +38,7 @@ def test_register_grant_admission_and_experience(hub, tmp_path):
     sock = dealer(ctx, coord.hub_addr)
     welcome = ask(sock, Hello(actor_name="t", pid=1, host="h"))
     assert isinstance(welcome, Welcome) and "max_staleness: 0" in welcome.config_yaml
-    endpoints = json.loads((tmp_path / "endpoints.json").read_text())
+    endpoints = RunDir(tmp_path).endpoints()
     assert endpoints["hub"] == coord.hub_addr and endpoints["actors"][0]["pid"] == 1
     assert endpoints["hub"].startswith("tcp://127.0.0.1:")
 
