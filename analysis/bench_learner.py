@@ -3,7 +3,7 @@
     python analysis/bench_learner.py [--tiny] [--ranks 1] [--steps 3] [--warmup 1]
         [--variants padded,packed,padded+ac,packed+ac] [--precision auto|fp32|bf16]
         [--peak-tflops 989] [--prompt-len 64,256] [--response-len 32,1024]
-        [--groups 32] [--group-size 8] [--micro-batch-size 16] [--micro-batch-tokens 16384]
+        [--groups 32] [--group-size 8] [--minibatches 1] [--micro-batch-size 16] [--micro-batch-tokens 16384]
         [--pack-row-tokens N] [--gen-prompts 64]
         [--gen-tokens 256] [--no-gen] [--cpu] [--model HF_DIR]
 
@@ -18,8 +18,10 @@ Learner: a world of --ranks processes (spawned here, or this process's torchrun 
 when RANK is set), NCCL + one GPU per rank on CUDA, gloo on CPU; the policy is sharded
 with the learner's own `shard_model` and trained with the real `train_step` (PPO,
 GRPO, AdamW) on a synthetic batch whose lengths are uniform in --prompt-len and
---response-len. Each variant builds its model afresh; --warmup steps are discarded,
-then --steps timed steps, each between a barrier and `torch.cuda.synchronize()`.
+--response-len; --minibatches > 1 splits the step into that many optimizer steps,
+which adds a no-grad proximal forward over every micro-batch. Each variant builds its
+model afresh; --warmup steps are discarded, then --steps timed steps, each between a
+barrier and `torch.cuda.synchronize()`.
 Precision: bf16 (FSDP2 MixedPrecisionPolicy) on CUDA, fp32 on CPU unless --precision.
 
 FLOPs (useful model FLOPs, the PaLM paper's MFU, Chowdhery et al. 2022, arXiv
@@ -66,7 +68,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from async_rl.batching import build_batch, order_for_ranks  # noqa: E402
+from async_rl.batching import assign_to_ranks, build_batch  # noqa: E402
 from async_rl.runtime import peak_rss_mb  # noqa: E402
 from async_rl.transport import ExperienceGroup, Response  # noqa: E402
 
@@ -93,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--response-len", default=None, help="min,max response tokens")
     ap.add_argument("--groups", type=int, default=None, help="prompt groups per step")
     ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--minibatches", type=int, default=1,
+                    help="train.minibatches: > 1 adds a proximal forward over every micro-batch")
     ap.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch")
     ap.add_argument("--micro-batch-tokens", type=int, default=None, help="token budget per micro-batch")
     ap.add_argument("--pack-row-tokens", type=int, default=None, help="learner.pack_row_tokens (packed variants)")
@@ -141,8 +145,8 @@ def make_model(args, mcfg):
     return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32)
 
 
-def synthetic_batch(args, vocab: int):
-    """The same batch on every rank (seeded): lengths uniform in the given ranges."""
+def synthetic_groups(args, vocab: int) -> list[ExperienceGroup]:
+    """The same groups on every rank (seeded): lengths uniform in the given ranges."""
     rng = np.random.default_rng(args.seed)
     (p0, p1), (r0, r1) = (map(int, s.split(",")) for s in (args.prompt_len, args.response_len))
     groups = []
@@ -157,7 +161,7 @@ def synthetic_batch(args, vocab: int):
             actor_id=0, group=len(groups), prompt_id=0, version=0, prompt_tokens=prompt.astype(np.int32),
             rewards=rng.integers(0, 2, size=G).astype(np.float32), truncated=(lengths == r1).astype(np.uint8),
             gen_seconds=0.0))
-    return build_batch(groups, pad_id=0)
+    return groups
 
 
 def step_flops(n_params: int, layers: int, hidden: int, seq_lengths: torch.Tensor) -> float:
@@ -179,10 +183,9 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
     from async_rl.train_step import Models, train_step
 
     mcfg = model_config(args)
-    batch = order_for_ranks(synthetic_batch(args, mcfg.vocab_size), args.group_size, world, 1)
-    per = batch.tokens.shape[0] // world
-    local = batch.rows(rank * per, (rank + 1) * per)
-    local = type(local)(**{k: v.to(device) for k, v in vars(local).items()})
+    groups = synthetic_groups(args, mcfg.vocab_size)
+    batch = build_batch(groups, pad_id=0)  # the whole step's rows, for its token counts
+    local = build_batch(assign_to_ranks(groups, world, args.minibatches)[rank], pad_id=0).to(device)
     lengths = batch.attention.sum(-1)
     # With shared prompts a group is one sequence of its prompt and all its responses.
     trees = (batch.prompt_len.view(-1, args.group_size)[:, 0]
@@ -192,7 +195,8 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
     for variant in args.variants:
         pack, share, ac = VARIANTS[variant]
         cfg = build_config({
-            "train": {"batch_groups": args.groups, "group_size": args.group_size, "loss": "ppo", "advantage": "grpo"},
+            "train": {"batch_groups": args.groups, "group_size": args.group_size, "loss": "ppo", "advantage": "grpo",
+                      "minibatches": args.minibatches},
             "learner": {"ranks": world, "micro_batch_size": args.micro_batch_size, "pack": pack, "share_prompt": share,
                         "micro_batch_tokens": args.micro_batch_tokens, "precision": args.precision,
                         "pack_row_tokens": args.pack_row_tokens,

@@ -1,19 +1,27 @@
-"""Turn prompt groups into padded token tensors and scatter them to learner ranks.
+"""Give each learner rank its prompt groups and turn them into its padded token rows.
 
 Row layout (one row per response): `prompt ++ response ++ pad`. Token-level tensors
 that score predictions (`loss_mask`, `logp_behav`) have length L-1: position t holds
 the prediction of token t+1, matching `logits[:, :-1]`.
-Rank 0 builds the whole batch, then scatters equal row blocks; every rank gets whole
-groups because `batch_groups` is a multiple of the learner world size, so group
-advantages can be computed on each rank (see train_step.py).
+Rank 0 sends every rank its whole groups in the sample format (ragged, as they came
+from the actors); each rank builds its own rows. Every rank gets whole groups because
+`batch_groups` is a multiple of the learner world size, so group advantages can be
+computed on each rank (see train_step.py).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import TypeVar
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from .transport import ExperienceGroup, decode, encode
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -30,6 +38,9 @@ class Batch:
 
     def rows(self, start: int, stop: int) -> "Batch":
         return Batch(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def build_batch(groups, pad_id: int) -> Batch:
@@ -69,37 +80,44 @@ def build_batch(groups, pad_id: int) -> Batch:
                  t(prompt_len), t(truncated))
 
 
-def order_for_ranks(batch: Batch, group_size: int, world: int, minibatches: int) -> Batch:
-    """Permute whole groups so that scattering equal row blocks gives every rank, in
-    its k-th slice, its share of global minibatch k = the k-th run of consecutive
-    groups (admission order). The optimizer steps then see the same groups whatever
-    the number of learner ranks."""
-    n_groups = batch.tokens.shape[0] // group_size
-    per_mb = n_groups // minibatches
+def assign_to_ranks(groups: Sequence[T], world: int, minibatches: int) -> list[list[T]]:
+    """Whole groups for each rank, in the order that gives every rank, in its k-th slice,
+    its share of global minibatch k = the k-th run of consecutive groups (admission
+    order). The optimizer steps then see the same groups whatever the number of
+    learner ranks."""
+    per_mb = len(groups) // minibatches
     per_rank = per_mb // world
-    order = [k * per_mb + r * per_rank + i for r in range(world) for k in range(minibatches) for i in range(per_rank)]
-    rows = torch.tensor([g * group_size + j for g in order for j in range(group_size)])
-    return Batch(**{f.name: getattr(batch, f.name)[rows] for f in fields(batch)})
+    return [[groups[k * per_mb + r * per_rank + i] for k in range(minibatches) for i in range(per_rank)]
+            for r in range(world)]
 
 
-def scatter_batch(batch: Batch | None, rank: int, world: int, device: torch.device) -> Batch:
-    """Rank 0 passes the full batch, others None; every rank returns its row block on `device`
+_SHARE_ENCODER = msgspec.msgpack.Encoder()
+_SHARE_DECODER = msgspec.msgpack.Decoder(list[list[bytes]])  # each group's wire frames
+
+
+def scatter_batch(groups: Sequence[ExperienceGroup] | None, pad_id: int, rank: int, world: int, minibatches: int,
+                  device: torch.device) -> Batch:
+    """Rank 0 passes the step's groups (admission order) and the pad id, the others None
+    and anything: every rank returns the rows of its own groups (assign_to_ranks) on
+    `device`. Groups travel in their wire encoding (nothing is pickled) as one byte
+    tensor per rank, so each rank lays out only its own rows, padded to its own longest
     (NCCL collectives need CUDA tensors, gloo takes CPU ones)."""
-    header = torch.zeros(2, dtype=torch.int64, device=device)
+    header = torch.zeros(world + 1, dtype=torch.int64, device=device)  # pad id, then bytes per rank
+    blobs = None
     if rank == 0:
-        assert batch is not None
-        header[0], header[1] = batch.tokens.shape
+        assert groups is not None
+        blobs = [_SHARE_ENCODER.encode([encode(g) for g in share])
+                 for share in assign_to_ranks(groups, world, minibatches)]
+        header[0] = pad_id
+        header[1:] = torch.tensor([len(blob) for blob in blobs])
     dist.broadcast(header, src=0)
-    N, L = int(header[0]), int(header[1])
-    per_rank = N // world
-    shapes = {"tokens": (L,), "attention": (L,), "loss_mask": (L - 1,), "logp_behav": (L - 1,),
-              "rewards": (), "baselines": (), "group": (), "prompt_len": (), "truncated": ()}
-    dtypes = {"tokens": torch.int64, "attention": torch.int64, "group": torch.int64, "prompt_len": torch.int64,
-              "truncated": torch.int64}
-    out = {}
-    for name, tail in shapes.items():
-        local = torch.empty((per_rank, *tail), dtype=dtypes.get(name, torch.float32), device=device)
-        chunks = list(getattr(batch, name).to(device).contiguous().split(per_rank)) if rank == 0 else None
-        dist.scatter(local, chunks, src=0)
-        out[name] = local
-    return Batch(**out)
+    sizes = header[1:].tolist()
+    width = max(sizes)
+    local = torch.empty(width, dtype=torch.uint8, device=device)
+    chunks = None
+    if rank == 0:
+        chunks = [torch.frombuffer(bytearray(blob.ljust(width, b"\0")), dtype=torch.uint8).to(device)
+                  for blob in blobs]
+    dist.scatter(local, chunks, src=0)
+    mine = [decode(frames) for frames in _SHARE_DECODER.decode(local[:sizes[rank]].cpu().numpy().tobytes())]
+    return build_batch(mine, int(header[0])).to(device)

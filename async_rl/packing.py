@@ -13,7 +13,9 @@ mask. transformers 5 (`masking_utils.find_packed_sequence_indices`, called from
 the restarts as sequence boundaries and builds a block-diagonal causal mask for
 sdpa/eager; flash-attention's varlen path reads the same position_ids. So each
 token sees exactly the prefix it sees in the padded forward, and RoPE gets the same
-positions: log-probs agree to float rounding (tests/unit/test_packing.py).
+positions: log-probs agree to float rounding (tests/unit/test_packing.py). Each
+micro-batch is laid out once per step (`layout`), and every forward over it
+(proximal, reference, policy) uses that layout.
 
 Row capacity. sdpa and eager materialize that mask and do not skip the masked
 blocks, so a packed row of C tokens costs O(C^2) attention however many sequences it
@@ -76,13 +78,36 @@ def micro_batches(attention: torch.Tensor, start: int, stop: int, group_size: in
 
 @dataclass
 class Packed:
+    """A micro-batch's packed layout, made once per step and used by each of its forwards
+    (proximal, reference, policy)."""
+
     tokens: torch.Tensor     # int64 [R, C] sequences end to end, pad id in the tails
     positions: torch.Tensor  # int64 [R, C] restarting at 0 per sequence (and per tail)
     keep: torch.Tensor       # int64 [K] columns whose logits are needed
     source: torch.Tensor     # int64 [T] flat index into the [R, K] kept logits, per scored token
     need: torch.Tensor       # bool [n, L-1] the scored positions of the padded layout
     targets: torch.Tensor    # int64 [T] the token each scored position predicts
-    mask: torch.Tensor | None = None  # bool [R, 1, C, C] shared prompts: who sees whom (True = attends)
+    tree: torch.Tensor | None = None  # int64 [R, C] shared prompts: each position's group, -1 in tails
+    part: torch.Tensor | None = None  # int64 [R, C] 0 = the prompt, j + 1 = response j, -1 in tails
+
+    def attention_mask(self, additive: bool = False) -> torch.Tensor | None:
+        """Shared prompts: [R, 1, C, C], causal within one tree, where a response sees its
+        prompt and itself (True = attends; `additive`: eager's 0 / -inf form). Built for
+        each forward from the [R, C] ids: only one micro-batch's O(C^2) mask is alive."""
+        if self.tree is None:
+            return None
+        C = self.tree.shape[1]
+        idx = torch.arange(C, device=self.tree.device)
+        causal = idx[None, :] <= idx[:, None]
+        tree, part = self.tree, self.part
+        same_tree = (tree[:, :, None] == tree[:, None, :]) & (tree[:, :, None] >= 0)
+        sees = (part[:, None, :] == 0) | (part[:, :, None] == part[:, None, :])
+        # Padding attends to itself only: every query row needs one key, or softmax is 0/0.
+        mask = ((causal[None] & same_tree & sees) | torch.eye(C, dtype=torch.bool, device=tree.device)[None])[:, None]
+        if not additive:
+            return mask
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
+            ~mask, torch.finfo(torch.float32).min)
 
 
 def _first_fit_decreasing(lengths: list[int], capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -136,17 +161,17 @@ def pack(batch: Batch, pad_id: int = 0, row_tokens: int | None = None, one_row: 
     need = batch.loss_mask > 0
     flat = dest[:, :-1][need]                                            # packed position predicting each target
     keep, col = torch.unique(flat % capacity, return_inverse=True)
-    mask = None if prompt is None else _tree_mask(dest, real, prompt, group_size, R, capacity)
+    tree, part = (None, None) if prompt is None else _tree_ids(dest, real, prompt, group_size, R, capacity)
     return Packed(tokens.view(R, capacity), positions.view(R, capacity).clamp(min=0), keep,
-                  (flat // capacity) * keep.numel() + col, need, batch.tokens[:, 1:][need], mask)
+                  (flat // capacity) * keep.numel() + col, need, batch.tokens[:, 1:][need], tree, part)
 
 
-def _tree_mask(dest: torch.Tensor, real: torch.Tensor, prompt: torch.Tensor, group_size: int, R: int,
-               capacity: int) -> torch.Tensor:
-    """[R, 1, C, C] bool: causal, within one tree, a response sees its prompt and itself."""
+def _tree_ids(dest: torch.Tensor, real: torch.Tensor, prompt: torch.Tensor, group_size: int, R: int,
+              capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per packed position [R, C]: its tree (group) and its part of the tree (0 = prompt,
+    j + 1 = response j); -1 in the tails."""
     n, L = dest.shape
     dev = dest.device
-    # Per packed position: its tree (group) and its part of the tree (0 = prompt, j+1 = response j).
     tree = torch.full((R * capacity,), -1, dtype=torch.long, device=dev)
     part = torch.full((R * capacity,), -1, dtype=torch.long, device=dev)
     row_tree = torch.arange(n, device=dev) // group_size
@@ -154,13 +179,7 @@ def _tree_mask(dest: torch.Tensor, real: torch.Tensor, prompt: torch.Tensor, gro
     in_prompt = torch.arange(L, device=dev)[None, :] < prompt[:, None]
     tree[dest[real]] = row_tree[:, None].expand(n, L)[real]
     part[dest[real]] = torch.where(in_prompt, 0, row_part[:, None]).expand(n, L)[real]
-    tree, part = tree.view(R, capacity), part.view(R, capacity)
-    idx = torch.arange(capacity, device=dev)
-    causal = idx[None, :] <= idx[:, None]
-    same_tree = (tree[:, :, None] == tree[:, None, :]) & (tree[:, :, None] >= 0)
-    sees = (part[:, None, :] == 0) | (part[:, :, None] == part[:, None, :])
-    # Padding attends to itself only: every query row needs one key, or softmax is 0/0.
-    return ((causal[None] & same_tree & sees) | torch.eye(capacity, dtype=torch.bool, device=dev)[None])[:, None]
+    return tree.view(R, capacity), part.view(R, capacity)
 
 
 def _accepts_logits_to_keep(model) -> bool:
@@ -176,23 +195,21 @@ def shares_prompt(model) -> bool:
     return attention_kind(model) in ("sdpa", "eager")
 
 
-def packed_logits(model, batch: Batch, row_tokens: int | None = None,
-                  group_size: int | None = None) -> tuple[torch.Tensor, Packed]:
-    """[T, V] logits at the scored positions (response predictors), and the layout;
+def layout(model, batch: Batch, row_tokens: int | None = None, group_size: int | None = None) -> Packed:
+    """The packed layout of `batch` for `model`'s attention (flash-attention: one row);
     `group_size`: shared-prompt trees (sdpa/eager only, see shares_prompt)."""
-    attn = attention_kind(model)
-    p = pack(batch, row_tokens=row_tokens, one_row="flash" in attn, group_size=group_size)
+    return pack(batch, row_tokens=row_tokens, one_row="flash" in attention_kind(model), group_size=group_size)
+
+
+def packed_logits(model, p: Packed) -> torch.Tensor:
+    """[T, V] logits at the scored positions (response predictors) of layout `p`."""
     kwargs = {"logits_to_keep": p.keep} if _accepts_logits_to_keep(model) else {}
-    mask = p.mask
-    if mask is not None and attn == "eager":  # eager adds the mask to the scores
-        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
-            ~mask, torch.finfo(torch.float32).min)
     # use_cache=False: with a KV cache, create_causal_mask does not look for packed sequences.
-    logits = model(input_ids=p.tokens, position_ids=p.positions, attention_mask=mask, use_cache=False,
-                   **kwargs).logits
+    logits = model(input_ids=p.tokens, position_ids=p.positions, use_cache=False, **kwargs,
+                   attention_mask=p.attention_mask(additive=attention_kind(model) == "eager")).logits
     if not kwargs:
         logits = logits[:, p.keep]
-    return logits.reshape(-1, logits.shape[-1])[p.source], p
+    return logits.reshape(-1, logits.shape[-1])[p.source]
 
 
 def scatter_scored(values: torch.Tensor, p: Packed) -> torch.Tensor:
@@ -230,6 +247,7 @@ def packing_error(model, shared: bool = False) -> float:
         batch.loss_mask[i, p - 1:p - 1 + r] = 1.0
     batch = Batch(**{f: getattr(batch, f).to(device) for f in batch.__dataclass_fields__})
     padded = model(input_ids=batch.tokens, attention_mask=batch.attention, use_cache=False).logits[:, :-1]
-    packed, layout = packed_logits(model, batch, row_tokens=10**6, group_size=2 if shared else None)
+    p = layout(model, batch, row_tokens=10**6, group_size=2 if shared else None)
+    packed = packed_logits(model, p)
     model.train(was_training)
-    return float((padded[layout.need].float() - packed.float()).abs().max())
+    return float((padded[p.need].float() - packed.float()).abs().max())

@@ -1,6 +1,7 @@
 """One learner step: the whole RL algorithm, run identically on every learner rank.
 
-    plan        micro-batches of whole groups, for each of `train.minibatches` disjoint slices
+    plan        micro-batches of whole groups, for each of `train.minibatches` disjoint slices;
+                with `learner.pack`, each micro-batch's packed layout, made once
     no grad     proximal log-probs (when the step takes several optimizer steps),
                 reference log-probs (KL), values (GAE)
     advantages  ADVANTAGES[train.advantage]: group-relative ones are local (each rank
@@ -16,7 +17,9 @@ How the shares are formed, and why each backward is scaled by the world size, is
 algorithms/normalization.py: the step equals a single process training on the whole
 batch (tests/integration/test_fsdp.py checks it to 1e-6). With `learner.pack` the
 policy/reference forwards are padding-free (packing.py), with `learner.share_prompt`
-each group's prompt is computed once; the critic's forward stays padded.
+each group's prompt is computed once; the critic's forward stays padded. The loss
+math stays in the padded [N, L-1] layout of batching.py, where every algorithm is
+written and tested: packed log-probs are placed back into it.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ from .algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, Count, LossInputs,
 from .batching import Batch
 from .config import Config
 
+Micro = tuple[int, int]  # a micro-batch: [start, stop) rows of whole groups
+
 
 @dataclass
 class Models:
@@ -45,17 +50,17 @@ class Models:
 
 
 def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False, entropy_grad: bool = False,
-                 pack: bool = False, row_tokens: int | None = None, group_size: int | None = None):
+                 layout: packing.Packed | None = None):
     """Log-probs `[N, L-1]` of the batch's next tokens under `model`, at the actors'
     sampling temperature (their recorded log-probs are tempered too); optionally the
     per-token entropy of the same distribution, with a graph only when it is a loss
-    term (on a large vocabulary that graph is as big as the logits). `pack`: one
-    padding-free forward scoring only response tokens (0 elsewhere; see packing.py),
-    with each group's prompt computed once when `group_size` is given.
+    term (on a large vocabulary that graph is as big as the logits). `layout`: the
+    batch's packed layout, for one padding-free forward scoring only response tokens
+    (0 elsewhere; see packing.py).
     The softmax math is float32 whatever the model's compute dtype (bf16 logits
     would round log-probs to ~3 significant digits, and importance ratios with them)."""
-    if pack:
-        logits, layout = packing.packed_logits(model, batch, row_tokens, group_size)
+    if layout is not None:
+        logits = packing.packed_logits(model, layout)
         targets, place = layout.targets, lambda x: packing.scatter_scored(x, layout)
     else:
         logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits[:, :-1]
@@ -68,10 +73,13 @@ def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False,
         return logp, place(algorithms.token_entropy(logits))
 
 
-def _packing(cfg: Config) -> dict:
+def _layouts(cfg: Config, model, local: Batch, micros: list[Micro]) -> dict[Micro, packing.Packed | None]:
+    """Each micro-batch's packed layout (learner.pack), made once for all its forwards."""
     lc = cfg.learner
-    return {"pack": lc.pack, "row_tokens": lc.pack_row_tokens,
-            "group_size": cfg.train.group_size if lc.pack and lc.share_prompt else None}
+    if not lc.pack:
+        return dict.fromkeys(micros)
+    group_size = cfg.train.group_size if lc.share_prompt else None
+    return {m: packing.layout(model, local.rows(*m), lc.pack_row_tokens, group_size) for m in micros}
 
 
 def forward_values(critic, batch: Batch) -> torch.Tensor:
@@ -114,7 +122,7 @@ def _with_overlong(cfg: Config, local: Batch) -> Batch:
     return local
 
 
-def _plan(cfg: Config, local: Batch) -> list[list[tuple[int, int]]]:
+def _plan(cfg: Config, local: Batch) -> list[list[Micro]]:
     """Per minibatch (equal disjoint row slices), its micro-batches: row ranges of whole groups."""
     t, lc = cfg.train, cfg.learner
     rows_per_micro = max(1, lc.micro_batch_size // t.group_size) * t.group_size
@@ -126,24 +134,24 @@ def _plan(cfg: Config, local: Batch) -> list[list[tuple[int, int]]]:
 
 
 @torch.no_grad()
-def _no_grad_pass(fn, batch: Batch, micros: list[tuple[int, int]]) -> torch.Tensor:
-    return torch.cat([fn(batch.rows(start, stop)) for start, stop in micros])
+def _no_grad_pass(fn, batch: Batch, layouts: dict[Micro, packing.Packed | None]) -> torch.Tensor:
+    return torch.cat([fn(batch.rows(*m), layout) for m, layout in layouts.items()])
 
 
-def _prepare(cfg: Config, models: Models, local: Batch, micros: list[tuple[int, int]]) -> Prepared:
+def _prepare(cfg: Config, models: Models, local: Batch, layouts: dict[Micro, packing.Packed | None]) -> Prepared:
     """No-grad forwards over this rank's rows, then advantages."""
     t = cfg.train
 
     def logp_of(model):
-        return lambda b: forward_logp(model, b, cfg.actors.temperature, **_packing(cfg))[0]
+        return lambda b, layout: forward_logp(model, b, cfg.actors.temperature, layout=layout)[0]
 
     prox = ref = values = kl = None
     if t.minibatches > 1:
-        prox = _no_grad_pass(logp_of(models.policy), local, micros)
+        prox = _no_grad_pass(logp_of(models.policy), local, layouts)
     if models.reference is not None:
-        ref = _no_grad_pass(logp_of(models.reference), local, micros)
+        ref = _no_grad_pass(logp_of(models.reference), local, layouts)
     if models.critic is not None:
-        values = _no_grad_pass(lambda b: forward_values(models.critic, b), local, micros)
+        values = _no_grad_pass(lambda b, _: forward_values(models.critic, b), local, layouts)
     if ref is not None and t.kl.mode == "reward":
         # The behavior policy sampled the tokens, so its log-probs give an unbiased estimate.
         kl = torch.where(local.loss_mask.bool(), algorithms.kl_estimate(local.logp_behav, ref, t.kl.estimator,
@@ -158,8 +166,8 @@ def _units(cfg: Config, batch: Batch) -> Units:
     return Units.of(LOSSES[cfg.train.loss], batch.loss_mask, batch.group, cfg.train.agg)
 
 
-def _backward_micro(cfg: Config, models: Models, x: Prepared, minibatch: Units, metrics: StepMetrics,
-                    is_weights: list[torch.Tensor] | None) -> dict[str, float]:
+def _backward_micro(cfg: Config, models: Models, x: Prepared, layout: packing.Packed | None, minibatch: Units,
+                    metrics: StepMetrics, is_weights: list[torch.Tensor] | None) -> dict[str, float]:
     """Forward and backward one micro-batch's share of the minibatch loss and record its
     diagnostics; return its loss terms (this rank's shares). Appends the micro-batch's raw
     importance weights (response tokens) to `is_weights` if given."""
@@ -168,7 +176,7 @@ def _backward_micro(cfg: Config, models: Models, x: Prepared, minibatch: Units, 
     units = _units(cfg, b)
     share = Shares.of(units, minibatch)
     logp, entropy = forward_logp(models.policy, b, cfg.actors.temperature, entropy=True,
-                                 entropy_grad=t.entropy_coef > 0, **_packing(cfg))
+                                 entropy_grad=t.entropy_coef > 0, layout=layout)
     prox = logp.detach() if x.prox is None else x.prox  # one optimizer step: the proximal policy is the current one
     out = LOSSES[t.loss](LossInputs(logp, prox, b.logp_behav, x.advantages, mask, b.rewards, b.group, t))
     metrics.update(out.metrics)
@@ -247,7 +255,8 @@ def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch
     models.policy.train()
     local = _with_overlong(cfg, local)
     plan = _plan(cfg, local)
-    prepared = _prepare(cfg, models, local, [m for micros in plan for m in micros])
+    layouts = _layouts(cfg, models.policy, local, [m for micros in plan for m in micros])
+    prepared = _prepare(cfg, models, local, layouts)
     # Each loss term is a mean over its whole minibatch on every rank: count the units first.
     minibatch_units = algorithms.global_units([_units(cfg, local.rows(micros[0][0], micros[-1][1])) for micros in plan],
                                               _all_reduce_sum, local.tokens.device)
@@ -255,7 +264,7 @@ def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch
     metrics = StepMetrics()
     for micros, units in zip(plan, minibatch_units):
         losses: dict[str, float] = collections.Counter()
-        for start, stop in micros:
-            losses.update(_backward_micro(cfg, models, prepared.rows(start, stop), units, metrics, is_weights))
+        for m in micros:
+            losses.update(_backward_micro(cfg, models, prepared.rows(*m), layouts[m], units, metrics, is_weights))
         _optimizer_step(models, t.grad_clip, losses, metrics)
     return metrics.reduce(_all_reduce_sum, local.tokens.device)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..batching import Batch, build_batch, order_for_ranks, scatter_batch
+from ..batching import Batch, scatter_batch
 from ..checkpoint import BUFFER_FILE, load_checkpoint, read_groups, save_checkpoint, save_hf_model, write_groups
 from ..config import Config, to_yaml
 from ..health import RunHealth
@@ -175,7 +175,7 @@ class Learner:
 
     # -- pieces of a step -------------------------------------------------------
     def _next_batch(self) -> tuple[Batch | None, StepData | None]:
-        """Rank 0 takes the next groups and scatters them: (this rank's share, rank 0's
+        """Rank 0 takes the next groups and scatters them: (this rank's rows, rank 0's
         StepData). (None, None) on every rank once rank 0 stops instead: on a signal,
         or when no data can come (self.halt)."""
         cfg, taken = self.cfg, None
@@ -192,13 +192,12 @@ class Learner:
         with self.spans.span("wait-for-data", step=self.version + 1):
             if not self._wait_together((lambda: False) if self._signalled() else poll):
                 return None, None
-        batch, data = None, None
+        data, pad_id = None, 0
         if self.rank == 0:
-            batch = build_batch(taken.groups, self.prompt_format.tokenizer.pad_token_id or 0)
-            data = measure_step(cfg, taken, batch, self.version, time.monotonic() - started, self.prompt_format,
-                                self.health)
-            batch = order_for_ranks(batch, cfg.train.group_size, self.world, cfg.train.minibatches)
-        return scatter_batch(batch, self.rank, self.world, self.device), data
+            data = measure_step(cfg, taken, self.version, time.monotonic() - started, self.prompt_format, self.health)
+            pad_id = self.prompt_format.tokenizer.pad_token_id or 0
+        groups = taken.groups if taken is not None else None
+        return scatter_batch(groups, pad_id, self.rank, self.world, cfg.train.minibatches, self.device), data
 
     def _wait_together(self, poll) -> bool:
         """Every rank waits until rank 0's `poll()` says go (True) or stop (False); None =
@@ -391,15 +390,6 @@ class Learner:
             self.broadcaster.close(wait_s=1.0)
             self.metrics.close()
             self.trace.write()  # again: the actors' last spans came with their goodbyes
-
-
-def shutdown_world() -> None:
-    """Leave the torchrun world together. A rank that tears gloo down while a peer is
-    still working (rank 0 writing final/) intermittently aborts at exit with
-    "terminate called without an active exception" (torch 2.13 CPU); a barrier first
-    prevents it."""
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

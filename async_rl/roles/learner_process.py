@@ -24,7 +24,7 @@ from ..config import Config, ConfigError, load_config
 from ..run_lock import RunLock
 from ..runtime import (EXIT_CONFIG, LAUNCHER_ENV, die_with_parent, quiet_libraries, resolve_device, sync_backend,
                        write_status)
-from .learner import Learner, shutdown_world
+from .learner import Learner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,3 +93,12 @@ def _train(cfg: Config, resume: Path | None) -> int:
     code = learner.run()
     shutdown_world()
     return code
+
+
+def shutdown_world() -> None:
+    """Leave the torchrun world together. A rank that tears gloo down while a peer is
+    still working (rank 0 writing final/) intermittently aborts at exit with
+    "terminate called without an active exception" (torch 2.13 CPU); a barrier first
+    prevents it."""
+    dist.barrier()
+    dist.destroy_process_group()

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from ..batching import Batch
 from ..config import Config
 from ..health import RunHealth
 from ..metrics import batch_histograms, generations_table, version_mix
@@ -30,7 +29,7 @@ class StepData:
     texts: dict[str, str] | None
 
 
-def measure_step(cfg: Config, taken: Taken, batch: Batch, learner_version: int, waited: float, prompt_format,
+def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float, prompt_format,
                  health: RunHealth) -> StepData:
     """The StepData of the batch `taken` by the learner at `learner_version` (before the
     step); `health` is fed the batch, and warns when a run has nothing to learn from."""
@@ -39,10 +38,11 @@ def measure_step(cfg: Config, taken: Taken, batch: Batch, learner_version: int, 
     lengths = np.concatenate([g.response_lengths for g in groups])
     truncated = np.concatenate([g.truncated for g in groups])
     gen_seconds = sum(g.gen_seconds for g in groups)
+    rewards = np.concatenate([g.rewards for g in groups])
     reward_errors, reward_error_frac = step_errors(groups)
-    health.check(batch.rewards.numpy(), lengths, truncated, cfg.train.group_size)
+    health.check(rewards, lengths, truncated, cfg.train.group_size)
     metrics = {
-        "train/reward_mean": float(batch.rewards.mean()), "train/response_len_mean": float(lengths.mean()),
+        "train/reward_mean": float(rewards.mean()), "train/response_len_mean": float(lengths.mean()),
         "train/response_len_max": float(lengths.max()), "train/truncated_frac": float(truncated.mean()),
         "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
         # The step's staleness histogram, in samples.
@@ -56,5 +56,5 @@ def measure_step(cfg: Config, taken: Taken, batch: Batch, learner_version: int, 
     texts = None
     if cfg.metrics.text_every and (learner_version + 1) % cfg.metrics.text_every == 0:
         texts = {"samples/generations": generations_table(groups, prompt_format)}
-    return StepData(metrics, samples=int(batch.tokens.shape[0]), gen_tokens=float(lengths.sum()), waited=waited,
+    return StepData(metrics, samples=len(lengths), gen_tokens=float(lengths.sum()), waited=waited,
                     reward_errors=reward_errors, histograms=batch_histograms(groups, staleness), texts=texts)

@@ -1,6 +1,6 @@
 """batching.py: the row layout of a batch (prompt ++ response ++ pad, predictions shifted
 by one), the order that gives each learner rank whole groups of every minibatch, and
-the scatter over a real one-process gloo group."""
+the scatter of groups over a real one-process gloo group."""
 import datetime
 
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from async_rl.batching import build_batch, order_for_ranks, scatter_batch
+from async_rl.batching import assign_to_ranks, build_batch, scatter_batch
 from async_rl.transport import ExperienceGroup, Response
 
 PAD = 0
@@ -42,28 +42,27 @@ def test_groups_of_different_prompt_lengths_share_one_width():
 
 
 @pytest.mark.parametrize("world,minibatches", [(1, 2), (2, 1), (2, 2)])
-def test_each_rank_block_holds_its_share_of_every_minibatch(world, minibatches):
-    n_groups, G = 8, 2
-    batch = build_batch([group([g + 1], [[g + 1]] * G) for g in range(n_groups)], pad_id=PAD)
-    ordered = order_for_ranks(batch, G, world, minibatches)
-    per_rank = n_groups // world
+def test_each_rank_holds_its_share_of_every_minibatch(world, minibatches):
+    n_groups = 8
+    shares = assign_to_ranks(list(range(n_groups)), world, minibatches)
+    per_mb = n_groups // minibatches
     for r in range(world):
-        block = ordered.tokens[r * per_rank * G:(r + 1) * per_rank * G, 0].tolist()[::G]
-        per_mb = n_groups // minibatches
         # Rank r's k-th slice: its part of the k-th run of consecutive groups (admission order).
-        expected = [k * per_mb + r * (per_mb // world) + i + 1
-                    for k in range(minibatches) for i in range(per_mb // world)]
-        assert block == expected
+        assert shares[r] == [k * per_mb + r * (per_mb // world) + i
+                             for k in range(minibatches) for i in range(per_mb // world)]
+    assert sorted(g for share in shares for g in share) == list(range(n_groups))
 
 
-def test_scatter_over_a_one_rank_group_returns_the_batch(tmp_path):
-    batch = build_batch([group([1, 2], [[3, 4], [5]])], pad_id=PAD)
+def test_scatter_over_a_one_rank_group_returns_the_rows_of_every_group(tmp_path):
+    groups = [group([1, 2], [[3, 4], [5]]), group([6], [[7], [8, 9, 10]], reward=0.0)]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=30))
     try:
-        local = scatter_batch(batch, 0, 1, torch.device("cpu"))
+        local = scatter_batch(groups, 5, 0, 1, 1, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+    # The groups crossed in their wire encoding; the pad id came with them.
+    expected = build_batch(groups, pad_id=5)
     for name in ("tokens", "attention", "loss_mask", "logp_behav", "rewards", "group", "prompt_len", "truncated"):
-        assert torch.equal(getattr(local, name), getattr(batch, name)), name
-    assert torch.isnan(local.baselines).all()
+        assert torch.equal(getattr(local, name), getattr(expected, name)), name
+    assert local.tokens[2].tolist() == [6, 7, 5, 5] and torch.isnan(local.baselines).all()

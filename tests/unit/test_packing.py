@@ -23,7 +23,7 @@ def test_packed_logp_equal_padded(attn):
     """Response-token log-probs and entropies of the packed forward = the padded forward,
     with rows as long as the longest sequence and with everything in one row."""
     from async_rl.batching import build_batch
-    from async_rl.packing import packing_error
+    from async_rl.packing import layout, packing_error
     from async_rl.train_step import forward_logp
     from workers.fsdp_step import synthetic_groups
 
@@ -33,12 +33,12 @@ def test_packed_logp_equal_padded(attn):
         model.config._attn_implementation = attn
         padded, h_padded = forward_logp(model, batch, 0.7, entropy=True)
         for row_tokens in (None, 10_000):
-            packed, h_packed = forward_logp(model, batch, 0.7, entropy=True, pack=True, row_tokens=row_tokens)
+            packed, h_packed = forward_logp(model, batch, 0.7, entropy=True, layout=layout(model, batch, row_tokens))
             torch.testing.assert_close(packed[mask], padded[mask], rtol=0, atol=1e-5, msg=name)
             torch.testing.assert_close(h_packed[mask], h_padded[mask], rtol=0, atol=1e-5, msg=name)
             assert (packed[~mask] == 0).all()
-            shared, h_shared = forward_logp(model, batch, 0.7, entropy=True, pack=True, row_tokens=row_tokens,
-                                            group_size=4)
+            shared, h_shared = forward_logp(model, batch, 0.7, entropy=True,
+                                            layout=layout(model, batch, row_tokens, group_size=4))
             torch.testing.assert_close(shared[mask], padded[mask], rtol=0, atol=1e-5, msg=name)
             torch.testing.assert_close(h_shared[mask], h_padded[mask], rtol=0, atol=1e-5, msg=name)
             assert (shared[~mask] == 0).all()
@@ -58,13 +58,14 @@ def test_shared_prompt_layout_counts_each_prompt_once_and_has_the_same_gradients
     layout = pack(batch, row_tokens=10_000, group_size=4)
     real = sum(len(g.prompt_tokens) + int(g.response_lengths.sum()) for g in groups)
     assert int((layout.positions.flatten() > 0).sum()) + len(groups) == real  # one position 0 per prompt
-    assert layout.mask.shape == (1, 1, layout.tokens.shape[1], layout.tokens.shape[1])
+    C = layout.tokens.shape[1]
+    assert layout.tree.shape == layout.part.shape == (1, C) and layout.attention_mask().shape == (1, 1, C, C)
     model = tiny_models()["qwen2"]
     weights = torch.randn(batch.loss_mask.shape)
     grads = []
-    for kwargs in ({}, {"pack": True, "group_size": 4}):
+    for packed in (None, layout):  # the same layout serves a second forward too (train_step reuses it)
         model.zero_grad()
-        logp, _ = forward_logp(model, batch, 1.0, **kwargs)
+        logp, _ = forward_logp(model, batch, 1.0, layout=packed)
         (logp * weights * batch.loss_mask).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)

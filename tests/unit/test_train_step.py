@@ -2,7 +2,9 @@
 logs (every key DESIGN.md and docs/algorithms.md name), the histogram weights agree with
 is/ess, and the caller's batch is left as it was. Numerical equality with sharded runs is
 tests/integration/test_fsdp.py's."""
+import collections
 import copy
+import math
 
 import pytest
 import torch
@@ -74,3 +76,25 @@ def test_step_logs_the_algorithms_diagnostics(world, model_dir, variant):
     assert 0.0 < stats["is/ess"] <= 1.0
     for name in ("rewards", "loss_mask"):  # KL-penalized rewards and filters stay inside the step
         assert torch.equal(getattr(batch, name), getattr(before, name)), name
+
+
+def test_each_micro_batch_is_laid_out_once_for_all_its_forwards(world, model_dir, monkeypatch):
+    """Packed, shared prompts, with a proximal and a reference forward besides the
+    policy's: one layout per micro-batch, made once, used by all three forwards."""
+    from async_rl import packing
+
+    made, used = [], collections.Counter()
+    pack, packed_logits = packing.pack, packing.packed_logits
+    monkeypatch.setattr(packing, "pack", lambda *a, **kw: made.append(pack(*a, **kw)) or made[-1])
+    monkeypatch.setattr(packing, "packed_logits", lambda model, p: used.update([id(p)]) or packed_logits(model, p))
+    cfg = build_config({"train": {"batch_groups": 4, "group_size": 4, "minibatches": 2, "kl": {"coef": 0.1}},
+                        "learner": {"ranks": 1, "micro_batch_size": 4, "pack": True, "share_prompt": True}})
+    policy = LlamaForCausalLM.from_pretrained(model_dir)
+    models = Models(policy, torch.optim.SGD(policy.parameters(), lr=0.1),
+                    reference=LlamaForCausalLM.from_pretrained(model_dir).requires_grad_(False))
+
+    stats = train_step(cfg, models, build_batch(synthetic_groups(4, 4, seed=1), pad_id=0))
+
+    assert len(made) == 4  # 4 groups, micro_batch_size = group_size: 4 micro-batches
+    assert set(used) == {id(p) for p in made} and list(used.values()) == [3] * 4  # proximal, reference, policy
+    assert stats["learner/skipped_steps"] == 0 and math.isfinite(stats["loss/total"])

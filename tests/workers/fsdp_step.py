@@ -9,12 +9,12 @@ from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from async_rl.batching import build_batch, order_for_ranks, scatter_batch
+from async_rl.batching import scatter_batch
 from async_rl.config import build_config
 from async_rl.models.critic import ValueModel
 from async_rl.runtime import exit_now
 from async_rl.models.sharding import full_parameters, shard_model
-from async_rl.roles.learner import shutdown_world
+from async_rl.roles.learner_process import shutdown_world
 from async_rl.train_step import Models, train_step
 from async_rl.transport import ExperienceGroup, Response
 
@@ -76,11 +76,8 @@ def main(out_path: str, variant: str, model_dir: str) -> None:
     if cfg.train.advantage == "gae":
         models.critic = shard_model(ValueModel(model_dir), mesh)
         models.critic_optimizer = torch.optim.SGD(models.critic.parameters(), lr=1.0)
-    batch = None
-    if rank == 0:
-        batch = order_for_ranks(build_batch(synthetic_groups(4, 4, seed=1), pad_id=0), 4, world,
-                                cfg.train.minibatches)
-    local = scatter_batch(batch, rank, world, torch.device("cpu"))
+    groups = synthetic_groups(4, 4, seed=1) if rank == 0 else None
+    local = scatter_batch(groups, 0, rank, world, cfg.train.minibatches, torch.device("cpu"))
     stats = train_step(cfg, models, local)
     params = {name: t.clone().contiguous() for name, t in full_parameters(models.policy)}
     if models.critic is not None:

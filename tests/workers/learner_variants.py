@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
-from async_rl.batching import build_batch, order_for_ranks, scatter_batch
+from async_rl.batching import scatter_batch
 from async_rl.config import build_config
 from async_rl.models.critic import ValueModel
 from async_rl.models.sharding import full_parameters, shard_model
-from async_rl.roles.learner import shutdown_world
+from async_rl.roles.learner_process import shutdown_world
 from async_rl.runtime import exit_now
 from async_rl.train_step import Models, train_step
 from fsdp_step import VARIANTS, init_world, synthetic_groups
@@ -54,11 +54,8 @@ def run(name: str, variant: str, opts: dict, model_dir: str, mesh, rank: int, wo
     step = models.optimizer.step
     models.optimizer.step = lambda: (dtypes.extend(
         (p.dtype, p.grad.dtype) for p in models.policy.parameters() if p.grad is not None), step())[1]
-    batch = None
-    if rank == 0:
-        batch = order_for_ranks(build_batch(synthetic_groups(4, 4, seed=1), pad_id=0), 4, world,
-                                cfg.train.minibatches)
-    stats = train_step(cfg, models, scatter_batch(batch, rank, world, torch.device("cpu")))
+    groups = synthetic_groups(4, 4, seed=1) if rank == 0 else None
+    stats = train_step(cfg, models, scatter_batch(groups, 0, rank, world, cfg.train.minibatches, torch.device("cpu")))
     out = {f"{name}/{n}": t.clone().contiguous() for n, t in full_parameters(models.policy)}
     if models.critic is not None:
         out.update({f"{name}/critic.{n}": t.clone().contiguous() for n, t in full_parameters(models.critic)})
