@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from .config import ConfigError, load_config
 
@@ -23,11 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     p_prep.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=10")
     p_prep.add_argument("--resume", metavar="RUN_DIR", default=None, help="as for `train`")
     p_actor = sub.add_parser("actor", help="one actor process that joins a running hub")
-    p_actor.add_argument("--hub", required=True, help="the hub address, tcp://HOST:PORT (endpoints.json: hub)")
+    where = p_actor.add_mutually_exclusive_group(required=True)
+    where.add_argument("--hub", help="the hub address, tcp://HOST:PORT (endpoints.json: hub)")
+    where.add_argument("--run-dir", help="join the hub of this run directory's learner once it has started "
+                       "(endpoints.json), waiting for it as long as --connect-timeout")
     p_actor.add_argument("--name", default=None, help="a name for logs and endpoints.json")
     p_actor.add_argument("--keys", default=None, help="CURVE key directory (`async-rl keys`), when the hub requires it")
     p_actor.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
-                         help="keep trying a hub that does not answer for S seconds, then exit 2 (default 60)")
+                         help="keep trying a hub that does not answer (with --run-dir: that has not started) for S "
+                         "seconds, then exit 2 (default 60)")
     p_keys = sub.add_parser("keys", help="make CURVE key pairs for security.curve=true")
     p_keys.add_argument("dir", help="directory to write server.key*, client.key* and authorized/ into")
     sub.add_parser("config-doc", help="print the config reference as a markdown table")
@@ -67,10 +72,20 @@ def main(argv: list[str] | None = None) -> int:
         import faulthandler
 
         faulthandler.enable()  # a crash in native code (gloo, BLAS) still prints where each thread was
-        from .roles.actor import run_actor
-        from .runtime import exit_now
+        from .roles.actor import run_actor  # the heavy imports come before any waiting
+        from .runtime import exit_now, preload_model_libraries
 
-        exit_now(run_actor(args.hub, args.name, args.keys, args.connect_timeout))  # the actor held gloo groups: see exit_now
+        hub = args.hub
+        if hub is None:
+            from .run_dir import RunDir
+
+            preload_model_libraries()
+            try:
+                hub = RunDir(Path(args.run_dir)).wait_for_hub(args.connect_timeout)
+            except RuntimeError as err:
+                print(f"async-rl: actor: {err}", file=sys.stderr)
+                return 2
+        exit_now(run_actor(hub, args.name, args.keys, args.connect_timeout))  # the actor held gloo groups: see exit_now
     try:
         cfg = load_config(args.config, args.overrides)
         from .launcher import prepare, train

@@ -1,8 +1,9 @@
 """`async-rl train`: one machine, one process per role.
 
-Takes the run directory's lock (run_lock.py), spawns the learner world with torchrun,
-waits for the coordinator to publish its endpoints, then spawns the actors pointing at
-the hub, and restarts an actor that dies (at most actors.max_restarts times). Ctrl-C,
+Takes the run directory's lock (run_lock.py), spawns the learner world with torchrun
+and the actors, which start up while the learner does and join its hub once the
+coordinator publishes its endpoints, and restarts an actor that dies (at most
+actors.max_restarts times). Ctrl-C,
 SIGTERM and SIGHUP stop the run the same way: the learner ranks finish their step and
 write a checkpoint and final/, the actors are told goodbye, and whatever does not leave
 within a grace period is killed. Every child dies with the launcher (a parent-death
@@ -185,17 +186,14 @@ def prepare(cfg: Config, resume: str | None = None) -> tuple[Path, Path | None, 
 
 
 def _wait_for_hub(run_dir: Path, learner: subprocess.Popen, timeout_s: float, stopping=lambda: False) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def give_up() -> str | None:
         if stopping():
-            raise RuntimeError("interrupted while the learner was starting")
+            return "interrupted while the learner was starting"
         if learner.poll() is not None:
-            raise RuntimeError(f"the learner exited with status {learner.returncode} before starting its hub")
-        endpoints = RunDir(run_dir).endpoints()
-        if endpoints is not None:
-            return endpoints["hub"]
-        time.sleep(0.1)
-    raise RuntimeError(f"the learner's hub did not come up within {timeout_s:.0f}s")
+            return f"the learner exited with status {learner.returncode} before starting its hub"
+        return None
+
+    return RunDir(run_dir).wait_for_hub(timeout_s, give_up)
 
 
 def _child_env(threads: int) -> dict[str, str]:
@@ -242,13 +240,17 @@ def _learner_workers(torchrun: subprocess.Popen) -> list[int]:
     return process_tree(torchrun.pid)[1:]
 
 
-def _spawn_actor(cfg: Config, hub: str, i: int, logs: Path) -> subprocess.Popen:
+def _spawn_actor(cfg: Config, i: int, logs: Path, hub: str | None = None, run_dir: Path | None = None,
+                 hub_wait_s: float = 0.0) -> subprocess.Popen:
+    """Actor i, joining `hub`, or the hub `run_dir`'s learner is about to start: then it
+    imports and starts up while the learner does, and waits up to `hub_wait_s` for it."""
+    where = ["--hub", hub] if hub is not None else ["--run-dir", str(run_dir)]
+    wait_s = max(cfg.actors.connect_timeout_s, hub_wait_s)
     out = open(logs / f"actor-{i}.log", "ab")
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "async_rl.cli", "actor", "--hub", hub, "--name", f"actor-{i}",
-             "--connect-timeout", str(cfg.actors.connect_timeout_s),
-             *(["--keys", cfg.security.keys_dir] if cfg.security.curve else [])],
+            [sys.executable, "-m", "async_rl.cli", "actor", *where, "--name", f"actor-{i}",
+             "--connect-timeout", str(wait_s), *(["--keys", cfg.security.keys_dir] if cfg.security.curve else [])],
             env=_child_env(cfg.actors.threads), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=child_of(os.getpid()))
     finally:
@@ -281,9 +283,10 @@ def train(cfg: Config, resume: str | None = None) -> int:
     old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     try:
         # Loading a large model comes before the hub: give start-up at least HUB_START_S.
-        hub = _wait_for_hub(run_dir, learner, timeout_s=max(cfg.learner.timeout_s, HUB_START_S),
-                            stopping=lambda: bool(stop_signal))
-        actors = [_spawn_actor(cfg, hub, i, logs) for i in range(cfg.actors.count)]
+        # The actors start at once: their imports and set-up overlap the learner's.
+        hub_wait_s = max(cfg.learner.timeout_s, HUB_START_S)
+        actors = [_spawn_actor(cfg, i, logs, run_dir=run_dir, hub_wait_s=hub_wait_s) for i in range(cfg.actors.count)]
+        hub = _wait_for_hub(run_dir, learner, timeout_s=hub_wait_s, stopping=lambda: bool(stop_signal))
         while learner.poll() is None and not stop_signal:
             time.sleep(0.2)
             for i, actor in enumerate(actors):
@@ -294,7 +297,7 @@ def train(cfg: Config, resume: str | None = None) -> int:
                     restarts += 1
                     _say(f"actor-{i} exited with status {actor.returncode}; restarting it ({restarts} of "
                          f"actors.max_restarts={cfg.actors.max_restarts}; its log: {logs / f'actor-{i}.log'})")
-                    actors[i] = _spawn_actor(cfg, hub, i, logs)
+                    actors[i] = _spawn_actor(cfg, i, logs, hub=hub)
         if stop_signal:
             # The ranks finish their step, write a checkpoint and final/, and the hub
             # tells the actors goodbye; they are only killed if they do not leave.

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,6 +233,20 @@ class RunDir:
         """{"hub": ..., "experience": ..., "learner_pid": ..., "actors": [{"id", "pid", ...}]}
         once the coordinator has published them; else None."""
         return _read_json(self.endpoints_path)
+
+    def wait_for_hub(self, timeout_s: float, give_up: Callable[[], str | None] = lambda: None) -> str:
+        """The hub's address, once the coordinator has published endpoints.json (a launch
+        removes the previous run's first). RuntimeError after `timeout_s`, or as soon as
+        `give_up()` returns a reason."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (reason := give_up()) is not None:
+                raise RuntimeError(reason)
+            endpoints = self.endpoints()
+            if endpoints is not None:
+                return endpoints["hub"]
+            time.sleep(0.1)
+        raise RuntimeError(f"the learner's hub did not come up within {timeout_s:.0f}s")
 
     def trace(self) -> list[TraceSpan] | None:
         """The timeline's spans; None when the run wrote no trace.json."""

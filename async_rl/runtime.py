@@ -20,6 +20,16 @@ def quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def preload_model_libraries() -> None:
+    """Import transformers' model and tokenizer machinery now, seconds of imports that
+    loading a model would otherwise do: an actor started alongside its learner does it
+    while the learner starts up, not after joining."""
+    import importlib
+
+    for module in ("modeling_utils", "models.auto.modeling_auto", "models.auto.tokenization_auto"):
+        importlib.import_module(f"transformers.{module}")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -47,6 +47,7 @@ def test_actor_start_up_failures_are_one_line_with_the_likely_cause(curve_hub, t
         "unknown key": (["--hub", coord.hub_addr, "--keys", str(strangers)], "refused this actor's CURVE key"),
         "wrong server key": (["--hub", coord.hub_addr, "--keys", str(other_run)],
                              "holds another run's server key"),
+        "no learner": (["--run-dir", str(tmp_path / "no-run")], "the learner's hub did not come up within 2s"),
     }
     procs = {name: subprocess.Popen([sys.executable, "-m", "async_rl.cli", "actor", *args, "--connect-timeout", "2"],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
