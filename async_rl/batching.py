@@ -95,19 +95,30 @@ _SHARE_ENCODER = msgspec.msgpack.Encoder()
 _SHARE_DECODER = msgspec.msgpack.Decoder(list[list[bytes]])  # each group's wire frames
 
 
+def encode_share(groups: Sequence[ExperienceGroup]) -> bytes:
+    """One rank's groups as bytes: each group's wire frames (nothing pickled)."""
+    return _SHARE_ENCODER.encode([encode(g) for g in groups])
+
+
+def decode_share(data: bytes) -> list[ExperienceGroup]:
+    """encode_share's groups, each validated like any received message."""
+    return [decode(frames) for frames in _SHARE_DECODER.decode(data)]
+
+
 def scatter_batch(groups: Sequence[ExperienceGroup] | None, pad_id: int, rank: int, world: int, minibatches: int,
                   device: torch.device) -> Batch:
     """Rank 0 passes the step's groups (admission order) and the pad id, the others None
     and anything: every rank returns the rows of its own groups (assign_to_ranks) on
-    `device`. Groups travel in their wire encoding (nothing is pickled) as one byte
-    tensor per rank, so each rank lays out only its own rows, padded to its own longest
+    `device`, padded to its own longest. The other ranks' groups travel in the sample
+    format, one byte tensor per rank (encode_share); rank 0 keeps its own as they are
     (NCCL collectives need CUDA tensors, gloo takes CPU ones)."""
+    shares = assign_to_ranks(groups, world, minibatches) if rank == 0 else None
+    if world == 1:
+        return build_batch(shares[0], pad_id).to(device)
     header = torch.zeros(world + 1, dtype=torch.int64, device=device)  # pad id, then bytes per rank
     blobs = None
     if rank == 0:
-        assert groups is not None
-        blobs = [_SHARE_ENCODER.encode([encode(g) for g in share])
-                 for share in assign_to_ranks(groups, world, minibatches)]
+        blobs = [b""] + [encode_share(share) for share in shares[1:]]
         header[0] = pad_id
         header[1:] = torch.tensor([len(blob) for blob in blobs])
     dist.broadcast(header, src=0)
@@ -119,5 +130,5 @@ def scatter_batch(groups: Sequence[ExperienceGroup] | None, pad_id: int, rank: i
         chunks = [torch.frombuffer(bytearray(blob.ljust(width, b"\0")), dtype=torch.uint8).to(device)
                   for blob in blobs]
     dist.scatter(local, chunks, src=0)
-    mine = [decode(frames) for frames in _SHARE_DECODER.decode(local[:sizes[rank]].cpu().numpy().tobytes())]
+    mine = shares[0] if rank == 0 else decode_share(local[:sizes[rank]].cpu().numpy().tobytes())
     return build_batch(mine, int(header[0])).to(device)

@@ -1,6 +1,7 @@
 """batching.py: the row layout of a batch (prompt ++ response ++ pad, predictions shifted
 by one), the order that gives each learner rank whole groups of every minibatch, and
-the scatter of groups over a real one-process gloo group."""
+the groups' encoding for the other ranks, and the scatter over a real one-process gloo
+group (two ranks: tests/integration/test_fsdp.py)."""
 import datetime
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from async_rl.batching import assign_to_ranks, build_batch, scatter_batch
+from async_rl.batching import assign_to_ranks, build_batch, decode_share, encode_share, scatter_batch
 from async_rl.transport import ExperienceGroup, Response
 
 PAD = 0
@@ -53,6 +54,18 @@ def test_each_rank_holds_its_share_of_every_minibatch(world, minibatches):
     assert sorted(g for share in shares for g in share) == list(range(n_groups))
 
 
+def test_a_share_crosses_in_the_sample_format_and_gives_the_same_rows():
+    """What rank 0 sends each other rank: its groups' wire frames, decoded (and validated)
+    there into the groups they were, so the rank builds the rows rank 0 would have."""
+    groups = [group([1, 2], [[3, 4], [5]]), group([6], [[7], [8, 9, 10]], reward=0.0, greedy=0.25)]
+    data = encode_share(groups)
+    assert isinstance(data, bytes)
+    expected, got = build_batch(groups, pad_id=5), build_batch(decode_share(data), pad_id=5)
+    for name in ("tokens", "attention", "loss_mask", "logp_behav", "rewards", "baselines", "group", "prompt_len",
+                 "truncated"):
+        assert torch.allclose(getattr(got, name), getattr(expected, name), equal_nan=True, rtol=0, atol=0), name
+
+
 def test_scatter_over_a_one_rank_group_returns_the_rows_of_every_group(tmp_path):
     groups = [group([1, 2], [[3, 4], [5]]), group([6], [[7], [8, 9, 10]], reward=0.0)]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1,
@@ -61,7 +74,6 @@ def test_scatter_over_a_one_rank_group_returns_the_rows_of_every_group(tmp_path)
         local = scatter_batch(groups, 5, 0, 1, 1, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
-    # The groups crossed in their wire encoding; the pad id came with them.
     expected = build_batch(groups, pad_id=5)
     for name in ("tokens", "attention", "loss_mask", "logp_behav", "rewards", "group", "prompt_len", "truncated"):
         assert torch.equal(getattr(local, name), getattr(expected, name)), name
