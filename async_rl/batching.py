@@ -3,8 +3,8 @@
 Row layout (one row per response): `prompt ++ response ++ pad`. Token-level tensors
 that score predictions (`loss_mask`, `logp_behav`) have length L-1: position t holds
 the prediction of token t+1, matching `logits[:, :-1]`.
-Rank 0 sends every rank its whole groups in the sample format (ragged, as they came
-from the actors); each rank builds its own rows. Every rank gets whole groups because
+Rank 0 sends every other rank its whole groups in the sample format (ragged, as they
+came from the actors) and keeps its own; each rank builds its own rows. Every rank gets whole groups because
 `batch_groups` is a multiple of the learner world size, so group advantages can be
 computed on each rank (see train_step.py).
 """

@@ -3,10 +3,9 @@
 Takes the run directory's lock (run_lock.py), spawns the learner world with torchrun
 and the actors, which start up while the learner does and join its hub once the
 coordinator publishes its endpoints, and restarts an actor that dies (at most
-actors.max_restarts times). Ctrl-C,
-SIGTERM and SIGHUP stop the run the same way: the learner ranks finish their step and
-write a checkpoint and final/, the actors are told goodbye, and whatever does not leave
-within a grace period is killed. Every child dies with the launcher (a parent-death
+actors.max_restarts times). Ctrl-C, SIGTERM and SIGHUP stop the run the same way: the
+learner ranks finish their step and write a checkpoint and final/, the actors are told
+goodbye, and whatever does not leave within a grace period is killed. Every child dies with the launcher (a parent-death
 signal), so a launcher killed outright leaves nothing running behind it.
 
 Exit status: the learner's (0, or runtime.EXIT_* for a run it stopped), 128 + the
