@@ -245,7 +245,7 @@ def packing_error(model, shared: bool = False) -> float:
         batch.tokens[i, p:p + r] = torch.randint(0, vocab, (r,), generator=gen)
         batch.attention[i, :p + r] = 1
         batch.loss_mask[i, p - 1:p - 1 + r] = 1.0
-    batch = Batch(**{f: getattr(batch, f).to(device) for f in batch.__dataclass_fields__})
+    batch = batch.to(device)
     padded = model(input_ids=batch.tokens, attention_mask=batch.attention, use_cache=False).logits[:, :-1]
     p = layout(model, batch, row_tokens=10**6, group_size=2 if shared else None)
     packed = packed_logits(model, p)
