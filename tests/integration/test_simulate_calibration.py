@@ -58,13 +58,23 @@ def test_calibration_predicts_the_run(real_run):
 
 
 def test_calibration_from_metrics_alone(real_run):
-    """Without trace.json the actors' time outside generation and the learner's logging
-    time are taken as 0: samples/s stays within 20%, but the actors look faster than they
-    are, so near balance (as on a loaded 2-core machine) the mean staleness at eta > 0
-    comes out too high (seen: 3.85 predicted, 2.02 measured); it is only checked at 0."""
+    """Without trace.json two terms are missing, of opposite signs and sizes that vary with
+    the machine: the actors' time outside generation (they look faster: the prediction may
+    be high by up to that share of a step) and the learner's logging after the publish (it
+    is counted in the step, so the model makes the actors wait for it: low by up to that
+    share). Samples/s is held to 20% widened on each side by its term's share of a step in
+    the traced calibration of the same run. Near balance (as on a loaded 2-core machine) the
+    mean staleness at eta > 0 comes out too high (seen: 3.85 predicted, 2.02 measured); it
+    is only checked at 0."""
     run_dir, eta = real_run
     out = sim.calibrate(run_dir, use_trace=False, seeds=3)
     assert not out["from_trace"]
-    assert out["predicted_samples_per_s"] == pytest.approx(out["measured_samples_per_s"], rel=0.2), out
+    traced = sim.calibrate(run_dir, use_trace=True, seeds=1)["rates"]
+    step_s = traced["batch_groups"] * traced["group_size"] / out["measured_samples_per_s"]
+    actors_share = traced["overhead_seconds_per_group"] * traced["batch_groups"] / step_s
+    logging_share = traced["log_seconds"] / step_s
+    assert 0 < actors_share < 0.3 and 0 < logging_share < 0.3, traced
+    error = out["predicted_samples_per_s"] / out["measured_samples_per_s"] - 1
+    assert -0.2 - logging_share < error < 0.2 + actors_share, (error, actors_share, logging_share, out)
     if eta == 0:
         assert out["predicted_staleness_mean"] == 0 and out["measured_staleness_mean"] == 0, out
