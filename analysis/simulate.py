@@ -28,7 +28,8 @@ Assumptions and limits:
   process's own threads (coordinator, broadcaster) competing with training for the GIL
   and CPU: under load a transfer or a grant then takes tens of ms. Such rare stalls make
   the real mean staleness lower than the model's. Without a trace, actors' time outside
-  generation is missing (they look faster).
+  generation is missing (they look faster) and the learner's logging is counted before
+  the publish instead of after it (the actors wait for it).
 - Near balance (actors barely faster than the learner) staleness is a random walk between
   0 and eta: its mean swings with a few percent of rate error or one load burst.
 - What-ifs and the sweep keep the rates fixed as actors are added (each actor on its own
