@@ -1,4 +1,4 @@
-"""The generation-engine protocol shared by every engine (torch, vLLM, ...).
+"""The generation-engine interface shared by every engine (torch, vLLM, ...).
 
 An actor owns one engine. The engine turns prompt token ids into sampled responses
 and records, per response token, the two things the learner needs to correct for
@@ -8,8 +8,8 @@ from, and the policy version of the weights that drew it.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -27,13 +27,13 @@ class Completion:
         return int(self.tokens.numel())
 
 
-@runtime_checkable
-class GenerationEngine(Protocol):
+class GenerationEngine(ABC):
     """What the actor needs from an engine.
 
     `version` is the policy version of the weights currently loaded; weight sync
     writes new values into `parameters_for_sync()` in place and then calls
-    `set_version`.
+    `set_version`. An engine implements `_generate`; `generate` refuses bad arguments
+    the same way for every engine first.
     """
 
     version: int
@@ -50,23 +50,26 @@ class GenerationEngine(Protocol):
         generator: torch.Generator | None = None,
     ) -> list[list[Completion]]:
         """Sample `n` responses per prompt; result[i][j] is the j-th sample for prompt i."""
-        ...
+        if not prompts:
+            return []
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got {n=}, {max_new_tokens=}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: there is no token to condition on")
+        if not greedy and not (temperature > 0.0 and 0.0 < top_p <= 1.0):
+            raise ValueError(f"need temperature > 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
+        return self._generate(prompts, n, max_new_tokens, temperature, top_p, greedy, generator)
 
+    @abstractmethod
+    def _generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
+                  greedy: bool, generator: torch.Generator | None) -> list[list[Completion]]:
+        """`generate` on arguments already checked (at least one prompt)."""
+
+    @abstractmethod
     def parameters_for_sync(self) -> list[tuple[str, torch.Tensor]]:
         """The model's named parameters (tied weights once), in a deterministic order."""
-        ...
 
+    @abstractmethod
     def set_version(self, version: int) -> None:
         """Record that the loaded weights are now policy version `version`."""
-        ...
 
-
-def check_generate_args(prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
-                        greedy: bool) -> None:
-    """The arguments every engine's `generate` refuses, with the same message."""
-    if n < 1 or max_new_tokens < 1:
-        raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got {n=}, {max_new_tokens=}")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt: there is no token to condition on")
-    if not greedy and not (temperature > 0.0 and 0.0 < top_p <= 1.0):
-        raise ValueError(f"need temperature > 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from async_rl.engines.base import Completion, check_generate_args
+from async_rl.engines.base import Completion, GenerationEngine
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -44,7 +44,7 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> to
     return logp
 
 
-class TorchEngine:
+class TorchEngine(GenerationEngine):
     """Sampling engine around a Hugging Face causal LM held in this process.
 
     A ready module is taken over, not copied: it is moved/cast in place, put in
@@ -132,21 +132,8 @@ class TorchEngine:
             self.step_hook()
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        n: int = 1,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        greedy: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> list[list[Completion]]:
-        if not prompts:
-            return []
-        check_generate_args(prompts, n, max_new_tokens, temperature, top_p, greedy)
-
+    def _generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
+                  greedy: bool, generator: torch.Generator | None) -> list[list[Completion]]:
         dev = self.device
         input_ids, mask = self._left_pad(prompts)
         B, P = len(prompts) * n, input_ids.shape[1]

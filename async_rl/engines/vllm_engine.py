@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from async_rl.engines.base import Completion, check_generate_args
+from async_rl.engines.base import Completion, GenerationEngine
 from async_rl.weight_sync.plan import Spec
 from async_rl.weight_sync.vllm import VLLMWeightReceiver
 from async_rl.weight_sync.vllm_api import require_vllm
@@ -82,7 +82,7 @@ def completion_from_output(output: Any, version: int) -> Completion:
     )
 
 
-class VLLMEngine:
+class VLLMEngine(GenerationEngine):
     """Sampling engine around one offline `vllm.LLM` (tensor-parallel size 1).
 
     The GPU is the one vLLM sees (choose it with CUDA_VISIBLE_DEVICES); `device` only
@@ -150,20 +150,8 @@ class VLLMEngine:
         """The actor's receiver for this engine (same interface as `WeightReceiver`)."""
         return VLLMWeightReceiver(self.llm, self.specs, bucket_mb=bucket_mb, backend=backend, timeout_s=timeout_s)
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        n: int = 1,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        greedy: bool = False,
-        generator: torch.Generator | None = None,
-    ) -> list[list[Completion]]:
-        if not prompts:
-            return []
-        check_generate_args(prompts, n, max_new_tokens, temperature, top_p, greedy)
+    def _generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
+                  greedy: bool, generator: torch.Generator | None) -> list[list[Completion]]:
         # One seed per call drawn from the actor's generator: reproducible, and distinct per batch.
         seed = None if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
         params = self._sampling_params(
