@@ -72,4 +72,3 @@ class GenerationEngine(ABC):
     @abstractmethod
     def set_version(self, version: int) -> None:
         """Record that the loaded weights are now policy version `version`."""
-

@@ -60,6 +60,25 @@ def reference_logprobs(
     return torch.log_softmax(logits / temperature, -1).gather(-1, c.tokens.unsqueeze(-1)).squeeze(-1)
 
 
+@pytest.mark.parametrize(("prompts", "kw", "message"), [
+    (PROMPTS, {"n": 0, "max_new_tokens": 4}, "need n >= 1"),
+    (PROMPTS, {"max_new_tokens": 0}, "need n >= 1"),
+    ([[1, 2], []], {"max_new_tokens": 4}, "empty prompt"),
+    (PROMPTS, {"max_new_tokens": 4, "temperature": 0.0}, "need temperature > 0"),
+    (PROMPTS, {"max_new_tokens": 4, "top_p": 1.5}, "need temperature > 0"),
+])
+def test_generate_refuses_bad_arguments(engine: TorchEngine, prompts, kw, message) -> None:
+    """GenerationEngine.generate checks the arguments for every engine, before `_generate`."""
+    with pytest.raises(ValueError, match=message):
+        engine.generate(prompts, **kw)
+
+
+def test_generate_allows_what_greedy_ignores_and_no_prompts(engine: TorchEngine) -> None:
+    assert engine.generate([], max_new_tokens=4) == []
+    out = engine.generate(PROMPTS[:1], max_new_tokens=2, greedy=True, temperature=0.0, top_p=0.0)
+    assert len(out) == 1 and len(out[0]) == 1 and 1 <= len(out[0][0]) <= 2
+
+
 def test_factory_and_protocol(model_dir: str) -> None:
     eng = make_engine("torch", model_or_path=model_dir)
     assert isinstance(eng, TorchEngine) and isinstance(eng, GenerationEngine)
