@@ -79,7 +79,7 @@ def test_generate_allows_what_greedy_ignores_and_no_prompts(engine: TorchEngine)
     assert len(out) == 1 and len(out[0]) == 1 and 1 <= len(out[0][0]) <= 2
 
 
-def test_factory_and_protocol(model_dir: str) -> None:
+def test_factory_and_interface(model_dir: str) -> None:
     eng = make_engine("torch", model_or_path=model_dir)
     assert isinstance(eng, TorchEngine) and isinstance(eng, GenerationEngine)
     if importlib.util.find_spec("vllm") is None:  # the factory names the missing optional dependency
