@@ -31,10 +31,15 @@ def preload_model_libraries() -> None:
 
 
 def resolve_device(name: str) -> torch.device:
+    """model.device as a torch device; a GPU always with its index (this process's current
+    device: a learner rank sets its own first), since per-thread calls such as
+    `torch.cuda.set_device` refuse a bare "cuda"."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("model.device=cuda but no CUDA device is visible")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("model.device=cuda but no CUDA device is visible")
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
 

@@ -17,10 +17,22 @@ INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 def pytest_collection_modifyitems(items):
     """Everything under tests/integration/ launches real processes: mark it, so that
-    `-m "not integration"` (or `pytest tests/unit`) is the fast loop."""
+    `-m "not integration"` (or `pytest tests/unit`) is the fast loop. A test marked
+    `cuda(gpus=N)` skips, with the reason, where fewer than N CUDA devices are visible;
+    `-m cuda` selects them all (analysis/gpu_check.py)."""
+    gpus = None
     for item in items:
         if INTEGRATION in Path(item.fspath).resolve().parents:
             item.add_marker(pytest.mark.integration)
+        mark = item.get_closest_marker("cuda")
+        if mark is not None:
+            if gpus is None:
+                import torch
+
+                gpus = torch.cuda.device_count()
+            need = int(mark.kwargs.get("gpus", 1))
+            if gpus < need:
+                item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), {gpus} visible"))
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

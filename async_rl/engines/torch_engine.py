@@ -252,8 +252,9 @@ class TorchEngine(GenerationEngine):
         else:
             logp = process_logits(logits, temperature, top_p)
             probs = logp.exp()
-            if generator is not None and generator.device != probs.device:
-                # A CPU generator with a CUDA engine: draw where the generator lives.
+            # A CPU generator with a CUDA engine: draw where the generator lives. By type:
+            # torch.Generator(device="cuda") reports "cuda", the logits "cuda:0".
+            if generator is not None and generator.device.type != probs.device.type:
                 tok = torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)
             else:
                 tok = torch.multinomial(probs, 1, generator=generator)

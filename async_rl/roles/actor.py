@@ -293,7 +293,8 @@ def _sync(hub: HubClient, receiver: WeightReceiver, engine, order: SyncOrder, st
     # Once per membership epoch at INFO: joins and recoveries show in the log, routine syncs do not.
     level = logging.INFO if order.epoch != state["epoch"] else logging.DEBUG
     state["epoch"] = order.epoch
-    log.log(level, "actor %d synced to version %d (epoch %d)", actor_id, order.version, order.epoch)
+    log.log(level, "actor %d synced to version %d (epoch %d, %s)", actor_id, order.version, order.epoch,
+            receiver.transport)
     return True
 
 

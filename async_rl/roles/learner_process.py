@@ -77,9 +77,9 @@ def _fail(cfg: Config, rank: int, err: Exception) -> int:
 
 def _train(cfg: Config, resume: Path | None) -> int:
     quiet_libraries()
-    device = resolve_device(cfg.model.device)
-    if device.type == "cuda":
+    if resolve_device(cfg.model.device).type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = resolve_device(cfg.model.device)  # this rank's GPU, now that it is the current one
     torch.set_num_threads(cfg.learner.threads)
     dist.init_process_group(backend=sync_backend(device), timeout=datetime.timedelta(seconds=cfg.learner.timeout_s))
     learner = Learner(cfg, resume)

@@ -40,6 +40,8 @@ class WeightBroadcaster:
                  timeout_s: float, transport: str = "auto", port: int = 0, engine: str = "torch",
                  double_buffer: bool = True):
         check_transport(transport, device)
+        if device.type == "cuda" and device.index is None:  # the thread's set_device needs the index
+            device = torch.device("cuda", torch.cuda.current_device())
         if engine not in ("torch", "vllm"):
             raise ValueError(f"engine: expected 'torch' or 'vllm', got {engine!r}")
         self.engine = engine
@@ -72,13 +74,17 @@ class WeightBroadcaster:
         self.completed = 0
         self.failures = 0
         self.last_broadcast_s = 0.0
-        self._thread = threading.Thread(target=self._run, name="weight-broadcast", daemon=True)
+        self.crashed: BaseException | None = None  # what ended the broadcast thread, if not close()
+        self._thread = threading.Thread(target=self._run_guarded, name="weight-broadcast", daemon=True)
         self._thread.start()
 
     # -- called by the learner's main thread ------------------------------------
     def publish(self, version: int, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Copy full (gathered) tensors into the free bucket set; returns without waiting
-        for actors. The broadcast of a bucket may start as soon as it is complete."""
+        for actors. The broadcast of a bucket may start as soon as it is complete.
+        Raises if the broadcast thread has died: no actor would ever get these weights."""
+        if self.crashed is not None:
+            raise RuntimeError(f"the weight-broadcast thread died: {describe(self.crashed)}") from self.crashed
         self.buffers.fill(version, named_tensors)
 
     # -- called by the coordinator ----------------------------------------------
@@ -103,6 +109,13 @@ class WeightBroadcaster:
         self._thread.join(timeout=self.timeout_s + 5 if wait_s is None else wait_s)
 
     # -- the broadcast thread ---------------------------------------------------
+    def _run_guarded(self) -> None:
+        try:
+            self._run()
+        except BaseException as err:  # a bug, not a failed sync (those are caught per sync in _run)
+            self.crashed = err
+            log.exception("the weight-broadcast thread died")
+
     def _run(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per thread

@@ -26,6 +26,10 @@ from .records import (Arrival, Group, IpcBucket, IpcHandles, IpcOrder, decode, e
                       ipc_handles_key, ipc_order_key)
 
 
+# A copy takes milliseconds: both ends poll the store for each other at least this often.
+IPC_POLL_S = 0.001
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -94,7 +98,8 @@ class CudaIpcSender:
         store = self.side.store
         store.set(ipc_order_key(self._epoch, self._seq), encode(IpcOrder(source.index, source.version)))
         # No early release on a membership change: a member may still be copying.
-        poll_store(store, [ipc_done_key(self._epoch, self._seq, rank) for rank in self._ranks], self.side.timeout_s)
+        poll_store(store, [ipc_done_key(self._epoch, self._seq, rank) for rank in self._ranks], self.side.timeout_s,
+                   max_pause_s=IPC_POLL_S)
 
     def disconnect(self) -> None:
         pass
@@ -119,7 +124,7 @@ class CudaIpcReceiver:
         """Copy, device to device, from the learner's bucket set that rank 0 names."""
         store, plan, device = self.side.store, self.place.plan, self.place.device
         seq = self._seq + 1
-        poll_store(store, [ipc_order_key(self._epoch, seq)], self.side.timeout_s)
+        poll_store(store, [ipc_order_key(self._epoch, seq)], self.side.timeout_s, max_pause_s=IPC_POLL_S)
         order = decode(IpcOrder, store.get(ipc_order_key(self._epoch, seq)), "CUDA-IPC order")
         if order.bucket_set not in self._sources:
             entries = unpack(store.get(ipc_handles_key(order.bucket_set)), plan)

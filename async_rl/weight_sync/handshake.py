@@ -25,18 +25,22 @@ from .records import Abandon, Arrival, Decision, Go, Group, arrived_key, decisio
 
 
 def poll_store(store: dist.Store, keys: list[str], timeout_s: float,
-               give_up: Callable[[], str | None] = lambda: None) -> str | None:
+               give_up: Callable[[], str | None] = lambda: None, max_pause_s: float = 0.02) -> str | None:
     """Wait until all `keys` exist (None), or until `give_up()` names a reason (returned).
     Polled rather than `store.wait`, which cannot be interrupted and logs a warning on
-    timeout; raises TimeoutError after `timeout_s`."""
+    timeout; raises TimeoutError after `timeout_s`. The pause between polls starts at
+    0.5 ms and doubles up to `max_pause_s`: a key that comes within milliseconds (a
+    CUDA-IPC copy) is seen soon after, a long wait costs few round trips."""
     deadline = time.monotonic() + timeout_s
+    pause = min(0.0005, max_pause_s)
     while not store.check(keys):
         reason = give_up()
         if reason is not None:
             return reason
         if time.monotonic() > deadline:
             raise TimeoutError(f"not all of {len(keys)} store key(s) appeared within {timeout_s:.0f}s")
-        time.sleep(0.02)
+        time.sleep(pause)
+        pause = min(2 * pause, max_pause_s)
     return None
 
 

@@ -19,7 +19,10 @@ from .base import ReceiverEnd, ReceiverSide
 
 class Member:
     """Subclasses say which end to open and how a version lands (`open_end`, `deliver`).
-    `intact`: the weights hold one complete version (False while a sync writes them in place)."""
+    `intact`: the weights hold one complete version (False while a sync writes them in place).
+    `transport`: the name of the transport it receives by, once known."""
+
+    transport: str | None = None
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s

@@ -98,3 +98,36 @@ def test_each_micro_batch_is_laid_out_once_for_all_its_forwards(world, model_dir
     assert len(made) == 4  # 4 groups, micro_batch_size = group_size: 4 micro-batches
     assert set(used) == {id(p) for p in made} and list(used.values()) == [3] * 4  # proximal, reference, policy
     assert stats["learner/skipped_steps"] == 0 and math.isfinite(stats["loss/total"])
+
+
+@pytest.mark.cuda
+def test_bf16_fsdp2_step_on_cuda_packed_equals_padded(model_dir):
+    """The GPU learner's path: one-rank NCCL world, FSDP2 with bf16 compute, packed shared-
+    prompt micro-batches (sdpa with a block mask on the GPU) against padded rows; the
+    optimizer sees fp32 master weights and both give the same update up to bf16 rounding."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from async_rl.models.sharding import full_parameters, shard_model
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        batch = build_batch(synthetic_groups(4, 4, seed=1), pad_id=0).to(device)
+        init = {n: p.detach().clone() for n, p in LlamaForCausalLM.from_pretrained(model_dir).named_parameters()}
+        updates, master = {}, []
+        for pack in (False, True):
+            cfg = build_config({"train": {"batch_groups": 4, "group_size": 4, "grad_clip": 1e9},
+                                "learner": {"ranks": 1, "micro_batch_size": 4, "pack": pack, "precision": "bf16"}})
+            policy = shard_model(LlamaForCausalLM.from_pretrained(model_dir).to(device), mesh, precision="bf16")
+            models = Models(policy, torch.optim.SGD(policy.parameters(), lr=1.0))
+            master.extend(p.dtype for p in policy.parameters())
+            stats = train_step(cfg, models, batch)
+            assert stats["learner/skipped_steps"] == 0 and math.isfinite(stats["loss/total"])
+            updates[pack] = torch.cat([(t.float().cpu() - init[n]).flatten() for n, t in full_parameters(policy)])
+        assert set(master) == {torch.float32}
+        assert updates[False].norm() > 0
+        assert (updates[True] - updates[False]).norm() / updates[False].norm() < 0.1
+    finally:
+        dist.destroy_process_group()

@@ -235,7 +235,7 @@ def test_parameters_for_sync(model_dir: str, engine: TorchEngine) -> None:
     assert [g[0].tokens.tolist() for g in before] != [g[0].tokens.tolist() for g in after]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda(model_dir: str) -> None:
     eng = TorchEngine(model_dir, device="cuda")
     for gen in (torch.Generator().manual_seed(8), torch.Generator(device="cuda").manual_seed(8)):

@@ -182,6 +182,8 @@ class ScriptedHub:
 class ScriptedReceiver:
     """Stands in for WeightReceiver: each receive() runs the next action on the engine."""
 
+    transport = "scripted"
+
     def __init__(self, engine: TorchEngine, *actions) -> None:
         self.engine, self.actions, self.intact, self.epochs = engine, list(actions), True, []
 

@@ -307,3 +307,17 @@ def test_membership_change_releases_a_member_waiting_for_a_dead_one():
         assert all(torch.equal(want, got) for (_, want), (_, got) in zip(source, params))
     finally:
         bc.close()
+
+
+def test_a_dead_broadcast_thread_fails_the_next_publish(monkeypatch):
+    """A bug that ends the broadcast thread must not leave the learner training for
+    actors that will never get its weights: the next publish raises, naming it."""
+    monkeypatch.setattr(WeightBroadcaster, "_run", lambda self: 1 / 0)
+    bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
+                           device=torch.device("cpu"), timeout_s=5)
+    try:
+        bc._thread.join(timeout=5)
+        with pytest.raises(RuntimeError, match="weight-broadcast thread died: division by zero"):
+            bc.publish(1, iter([("w", torch.zeros(4))]))
+    finally:
+        bc.close(wait_s=1)
