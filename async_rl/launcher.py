@@ -95,12 +95,13 @@ def ensure_demo_model(cfg: Config, target: Path) -> Path:
     """The demo model for cfg's seed and task, warm-started into `target` unless a
     complete one is there (its INFO_FILE is written last)."""
     from .models import build_demo_model
-    from .models.demo import INFO_FILE
+    from .models.demo import INFO_FILE, VLLM_HEAD_DIM
 
     if not (target / INFO_FILE).exists():
         log.info("building the demo model (with supervised warm start) in %s", target)
         build_demo_model(target, seed=cfg.seed, task=make_task_from_config(cfg),
-                         target_accuracy=cfg.model.warm_start_accuracy)
+                         target_accuracy=cfg.model.warm_start_accuracy,
+                         **({"head_dim": VLLM_HEAD_DIM} if cfg.actors.engine == "vllm" else {}))
     return target
 
 

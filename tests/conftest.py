@@ -15,12 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
+# Set by the vLLM test job (.ci/run): a test marked `vllm` fails there, instead of
+# skipping, when vLLM cannot be imported.
+REQUIRE_VLLM = "ASYNC_RL_REQUIRE_VLLM"
+
+
 def pytest_collection_modifyitems(items):
     """Everything under tests/integration/ launches real processes: mark it, so that
     `-m "not integration"` (or `pytest tests/unit`) is the fast loop. A test marked
-    `cuda(gpus=N)` skips, with the reason, where fewer than N CUDA devices are visible;
-    `-m cuda` selects them all (analysis/gpu_check.py)."""
-    gpus = None
+    `cuda(gpus=N)` skips, with the reason, where fewer than N CUDA devices are visible
+    (`-m cuda` selects them all: analysis/gpu_check.py); one marked `vllm` where vLLM
+    cannot be imported (`-m vllm` is the vLLM job)."""
+    gpus = no_vllm = None
     for item in items:
         if INTEGRATION in Path(item.fspath).resolve().parents:
             item.add_marker(pytest.mark.integration)
@@ -33,6 +39,22 @@ def pytest_collection_modifyitems(items):
             need = int(mark.kwargs.get("gpus", 1))
             if gpus < need:
                 item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), {gpus} visible"))
+        if item.get_closest_marker("vllm") is not None and not os.environ.get(REQUIRE_VLLM):
+            if no_vllm is None:
+                no_vllm = vllm_missing()
+            if no_vllm:
+                item.add_marker(pytest.mark.skip(reason=no_vllm))
+
+
+def vllm_missing() -> str:
+    """Why vLLM cannot run here ("" when it can)."""
+    from async_rl.weight_sync.vllm_api import VLLMUnavailable, require_vllm
+
+    try:
+        require_vllm()
+    except VLLMUnavailable as err:
+        return str(err)
+    return ""
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

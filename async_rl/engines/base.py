@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -34,9 +35,29 @@ class GenerationEngine(ABC):
     writes new values into `parameters_for_sync()` in place and then calls
     `set_version`. An engine implements `_generate`; `generate` refuses bad arguments
     the same way for every engine first.
+
+    `step_hook`, when set, is called between two decoding steps of `_generate` (never
+    before the first token): sync.in_flight sets it, and the actor loads new weights
+    there and bumps `version`; None keeps the loop free of any hub traffic.
     """
 
     version: int
+    step_hook: Callable[[], None] | None = None
+
+    def _between_steps(self) -> None:
+        """Safe point between decoding steps, where in-flight weight updates land.
+
+        Nothing of the model is in use here, so the hook may overwrite its weights.
+        Unfinished responses then continue on the new weights with the KV cache as it
+        is, like PipelineRL: the keys/values of earlier tokens stay those the old
+        weights computed (recomputing them would cost a prefill per update). The
+        log-probs recorded from then on are still those of the distribution actually
+        sampled from (new weights over that cache), which is what the learner's
+        importance ratios need, and each token records the version that sampled it.
+        An exception from the hook aborts the whole generate call.
+        """
+        if self.step_hook is not None:
+            self.step_hook()
 
     def generate(
         self,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -74,9 +74,6 @@ class TorchEngine(GenerationEngine):
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.model.requires_grad_(False)  # weights only change through in-place sync
         self.version = 0
-        # Called between decode steps when set (sync.in_flight: the actor loads new
-        # weights there and bumps `version`); None keeps the loop free of any hub traffic.
-        self.step_hook: Callable[[], None] | None = None
 
         # Unset ids fall back to the model config (getattr on None gives None).
         config = getattr(self.model, "config", None)
@@ -115,21 +112,6 @@ class TorchEngine(GenerationEngine):
         # named_parameters() yields a tied tensor once, in registration order,
         # which is the same on the learner's copy of the same architecture.
         return list(self.model.named_parameters())
-
-    def _between_steps(self) -> None:
-        """Safe point between decode steps, where in-flight weight updates land.
-
-        Nothing of the model is in use here, so the hook may overwrite parameters in
-        place. Unfinished responses then continue on the new weights with the KV cache
-        as it is, like PipelineRL: the keys/values of earlier tokens stay those the old
-        weights computed (recomputing them would cost a prefill per update). The
-        log-probs recorded from then on are still those of the distribution actually
-        sampled from (new weights over that cache), which is what the learner's
-        importance ratios need, and `versions` records the new version per token.
-        An exception from the hook aborts the whole generate call.
-        """
-        if self.step_hook is not None:
-            self.step_hook()
 
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,

@@ -104,7 +104,9 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         stops = dict(eos_token_id=stop_token_ids(cfg.model.path, prompt_format.tokenizer))
         if cfg.actors.stop:
             stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
-        engine = make_engine(cfg.actors.engine, model_or_path=cfg.model.path, device=device, **stops)
+        options = dict(seed=cfg.seed, threads=cfg.actors.threads, **cfg.actors.vllm.model_dump()) \
+            if cfg.actors.engine == "vllm" else {}
+        engine = make_engine(cfg.actors.engine, model_or_path=cfg.model.path, device=device, **stops, **options)
         task = make_task_from_config(cfg)
         reward = RewardGuard.for_task(task, cfg, logger=log)  # user code: failures are counted
         prompts = PromptIndex(task)

@@ -1,133 +1,57 @@
-"""The vLLM transport (actors.engine=vllm): learner rank 0 speaks vLLM's NCCL weight
-transfer to actors whose weights live in vLLM's worker processes.
+"""The vLLM transport (actors.engine=vllm): learner rank 0 sends its buckets to actors
+whose weights live in vLLM, through vLLM's weight-transfer API.
 
-Not yet run on a GPU: vLLM cannot be installed on the development machines. The tests
-run both ends against vLLM faked at its own API, and skip the real ones.
+One code path on a CPU and on a GPU; only the communicator differs, chosen by the
+learner's device (its `LearnerInfo.backend`, which each actor checks against its own):
 
-A vLLM worker cannot join the group collective.py builds: vLLM's workers form a
-`StatelessProcessGroup` whose rank 0 (the trainer) *hosts* a TCPStore at
-`master_port`, then a `PyNcclCommunicator` (NCCL only, no gloo, no timeout). So:
+|                                   | GPU (`nccl`)                                  | CPU (`gloo`)                                  |
+|-----------------------------------|-----------------------------------------------|-----------------------------------------------|
+| vLLM's `WeightTransferConfig`     | `backend="nccl"`, vLLM's own engine           | `backend="async_rl_gloo"`, our plugin engine (vllm_gloo.py) |
+| the epoch's group                 | vLLM's `StatelessProcessGroup` on a port rank 0 reserves, named in `Group.port`, then PyNccl (vllm_nccl.py) | gloo on rank 0's store under the epoch's prefix (collective.new_group), as every torch transport |
+| timeouts                          | the rendezvous and the host's wait; PyNccl has none | every collective: `sync.timeout_s` |
 
+The rest is shared:
 1. handshake (handshake.py), as for every transport: a vLLM actor arrives as
-   `Arrival("vllm", workers, layout)`, with its NCCL ranks per engine and the
-   fingerprint of the packed layout it expects; rank 0 refuses a layout other than its
-   own (NCCL would turn it into a hang or garbage) and an epoch mixing engines;
-2. `VLLMSender.prepare`: a listening socket on a free port of the store's host, named
-   in the decision's `Group.port`, so every member finds it once released;
-3. `connect` / `join`: vLLM's trainer end on that port (`open_trainer_group`), and each
-   member's `init_weight_transfer_engine` (vllm_api.init_info maps our ranks onto
-   vLLM's); rank 0 returns once every vLLM worker joined;
-4. `send` / `receive`: per version, the bucket set (already in vLLM's packed layout,
-   plan.plan_packed) chunk by chunk with `group.broadcast(chunk, src=0)` on rank 0's
-   side stream, then a bounded wait for that stream; the member calls `update_weights`.
+   `Arrival("vllm", workers, layout)`, with its ranks per engine and the fingerprint
+   of the packed layout it expects; rank 0 refuses a layout other than its own (a
+   collective would turn it into a hang or garbage) and an epoch mixing engines;
+2. `prepare` / `connect` on rank 0, `join` on each member: the member's
+   `init_weight_transfer_engine` (vllm_api.init_info maps our ranks onto vLLM's);
+3. per version: rank 0 broadcasts the bucket set, already in vLLM's packed layout
+   (plan.plan_packed: uint8 chunks of `sync.bucket_mb`), chunk by chunk; the member
+   calls `start_weight_update`, `update_weights` (vLLM receives the chunks and loads
+   them through its layerwise reload) and `finish_weight_update`.
 
-Timeouts. PyNccl has none, and nothing in it can be interrupted. What is bounded: the
-handshake; the group's store rendezvous (`store_timeout`, where this vLLM accepts it);
-the whole group formation (it runs in a helper thread that rank 0 stops waiting for
-after `timeout_s`: a member that died between "go" and its NCCL init leaves that
-thread blocked in `ncclCommInitRank` for the rest of the process, and the broadcaster
-moves on to the next epoch); the host's wait for a broadcast (an event polled against
-a deadline). What is not: a broadcast kernel whose peer died mid-transfer keeps its
-side stream busy for good (no ncclCommAbort in vLLM's PyNccl), so later broadcasts on
-that stream time out too until the learner restarts; and on the actor side, vLLM's
-`update_weights` waits without a timeout for the chunks rank 0 never sends.
+vLLM receives in place (sync.stage_on_actors does not apply): a broadcast that breaks
+off still finishes the update, so vLLM keeps a whole model of old and new layers, and
+the receiver reports it not `intact` until a later sync completes (the actor then
+generates nothing, as an unstaged torch receiver).
 """
 from __future__ import annotations
 
-import math
-import socket
-import threading
-import time
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
-
 from .base import ReceiverSide, SenderSide, WeightTransport
 from .bucket_sets import BucketSet
+from .collective import broadcast_async, new_group, wait_all
 from .errors import EpochRejected
 from .member import Member
 from .plan import Spec, layout_id
-from .records import Arrival, Group
-from .vllm_api import (init_info, place_wire_params, require_vllm, supported_kwargs, update_info, vllm_world,
-                       wire_params)
+from .records import LEARNER_KEY, Arrival, Group, LearnerInfo, decode
+from .vllm_api import init_info, place_wire_params, supported_kwargs, update_info, vllm_world, wire_params
+
+GLOO_BACKEND = "async_rl_gloo"  # vllm_gloo.BACKEND (that module imports vLLM, this one must not)
 
 
-def reserve_port(host: str) -> socket.socket:
-    """A listening TCP socket on a free port of `host` (`getsockname()[1]`)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        sock.listen()
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def open_trainer_group(host: str, port: int, world_size: int, device: torch.device, *,
-                       timeout_s: float | None = None, listen_socket: socket.socket | None = None) -> Any:
-    """vLLM's recommended trainer end of the group (rank 0 of a `StatelessProcessGroup`
-    hosting its store at `port`, then a `PyNcclCommunicator`). Broadcast packed chunks
-    with `group.broadcast(chunk, src=0)`. `timeout_s` bounds the store rendezvous
-    (`store_timeout`); NCCL's own init has no timeout. `listen_socket` (bound to `port`,
-    listening) is handed over where this vLLM accepts one, which closes the gap in which
-    another process could take the port; else it is closed first."""
-    require_vllm()
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.distributed.utils import StatelessProcessGroup
-
-    wanted: dict[str, Any] = {} if timeout_s is None else {"store_timeout": max(1, math.ceil(timeout_s))}
-    if listen_socket is not None:
-        wanted["listen_socket"] = listen_socket
-    extra = supported_kwargs(StatelessProcessGroup.create, wanted)
-    if listen_socket is not None and "listen_socket" not in extra:
-        listen_socket.close()  # this vLLM binds the port itself
-    pg = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world_size, **extra)
-    return PyNcclCommunicator(pg, device=device)
-
-
-def open_group(sock: socket.socket, host: str, world_size: int, device: torch.device, timeout_s: float) -> Any:
-    """The trainer group on `sock`'s port (rank 0 of `world_size`), or TimeoutError once
-    `timeout_s` passed without every member joining (see the module docstring)."""
-    port = sock.getsockname()[1]
-    result: dict[str, Any] = {}
-
-    def form() -> None:
-        try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)  # the current device is per thread
-            result["group"] = open_trainer_group(host, port, world_size, device, timeout_s=timeout_s,
-                                                 listen_socket=sock)
-        except BaseException as err:  # handed to the caller
-            sock.close()  # a no-op once vLLM's store took the descriptor over
-            result["error"] = err
-
-    thread = threading.Thread(target=form, name="vllm-trainer-group", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError(f"vLLM's weight-transfer group (world {world_size}, port {port}) did not form within "
-                           f"{timeout_s:.0f}s; its NCCL init cannot be interrupted and is left behind")
-    if "error" in result:
-        raise result["error"]
-    return result["group"]
-
-
-def wait_event(event: Any, timeout_s: float) -> None:
-    """Poll `event` until it completed, or raise TimeoutError (the work itself goes on)."""
-    deadline = time.monotonic() + timeout_s
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the broadcast to the vLLM actors did not finish within {timeout_s:.0f}s "
-                               "(a member died mid-transfer? PyNccl cannot abort it)")
-        time.sleep(0.001)
+def vllm_backend(communicator: str) -> str:
+    """The `WeightTransferConfig(backend=...)` a vLLM actor needs for `communicator`."""
+    return "nccl" if communicator == "nccl" else GLOO_BACKEND
 
 
 def check_arrivals(arrivals: dict[int, Arrival], layout: str | None) -> int:
-    """The NCCL world of an epoch of vLLM members (trainer + every worker), or
-    EpochRejected if one expects another wire layout or they differ in workers per engine."""
+    """The world of an epoch of vLLM members (trainer + every worker), or EpochRejected
+    if one expects another wire layout or they differ in workers per engine."""
     for rank, arrival in sorted(arrivals.items()):
         if arrival.layout != layout:
             raise EpochRejected(f"rank {rank}'s vLLM wire layout {arrival.layout} differs from the learner's "
@@ -142,38 +66,40 @@ def check_arrivals(arrivals: dict[int, Arrival], layout: str | None) -> int:
 class VLLMSender:
     def __init__(self, side: SenderSide):
         self.side = side
-        self.group: Any = None  # vLLM's PyNcclCommunicator
-        self._sock: socket.socket | None = None  # reserved in `prepare`, handed to vLLM in `connect`
-        self._world = 0
+        self.nccl = side.device.type == "cuda"
+        self.group: Any = None  # vLLM's PyNcclCommunicator, or a gloo ProcessGroup
+        self._sock: Any = None  # NCCL: the port reserved in `prepare`, handed to vLLM in `connect`
+        self._epoch, self._world = -1, 0
 
     def prepare(self, epoch: int, arrivals: dict[int, Arrival]) -> Group:
-        self._world = check_arrivals(arrivals, self.side.layout)
+        self._epoch, self._world = epoch, check_arrivals(arrivals, self.side.layout)
+        if not self.nccl:
+            return Group(tuple(sorted(arrivals)))
+        from .vllm_nccl import reserve_port
+
         self._sock = reserve_port(self.side.host)
         return Group(tuple(sorted(arrivals)), port=self._sock.getsockname()[1])
 
     def connect(self) -> None:
+        if not self.nccl:
+            self.group = new_group("gloo", self.side.store, self._epoch, 0, self._world, self.side.timeout_s)
+            return
+        from .vllm_nccl import open_group
+
         sock, self._sock = self._sock, None
         self.group = open_group(sock, self.side.host, self._world, self.side.device, self.side.timeout_s)
 
     def send(self, source: BucketSet) -> None:
-        """Every packed chunk in order, each once filled; on CUDA on the side stream, after
-        the chunk's fill event, then a bounded wait until the stream is done, so the set
-        may be refilled. PyNccl broadcasts on the current stream."""
-        stream = self.side.side_stream
-        if stream is None:
-            for i, chunk in enumerate(source.tensors):
-                source.wait_ready(i)
-                self.group.broadcast(chunk, src=0)
+        if self.nccl:
+            from .vllm_nccl import send_packed
+
+            send_packed(self.group, source, self.side.side_stream, self.side.timeout_s)
             return
-        with torch.cuda.stream(stream):
-            for i, chunk in enumerate(source.tensors):
-                source.wait_ready(i)
-                if source.events is not None:
-                    stream.wait_event(source.events[i])  # the copy-in, not the whole learner stream
-                self.group.broadcast(chunk, src=0)
-            done = torch.cuda.Event()
-            done.record(stream)
-        wait_event(done, self.side.timeout_s)
+        works = []
+        for i, chunk in enumerate(source.tensors):
+            source.wait_ready(i)
+            works.append(broadcast_async(self.group, chunk))
+        wait_all(works, self.side.timeout_s)
 
     def disconnect(self) -> None:
         self.group = None
@@ -184,48 +110,52 @@ class VLLMSender:
 
 @dataclass(frozen=True)
 class VLLMPlace:
-    """Where a sync lands on a vLLM actor: its `LLM`, and what each call to it carries."""
+    """Where a sync lands on a vLLM actor: its `LLM`, its communicator, and what each
+    call to it carries."""
     llm: Any
+    communicator: str  # "nccl" or "gloo", the one its LLM's weight transfer was built for
     workers: int
     arrival: Arrival
-    init_request: Any  # vLLM's WeightTransferInitRequest
     init_extra: dict[str, Any]
-    update_request: Any  # vLLM's WeightTransferUpdateRequest
     update_info: dict[str, Any]
 
 
 class VLLMReceiverEnd:
-    group = None  # vLLM's group lives in its worker processes
+    group = None  # vLLM's group lives in its worker
     staged = False  # vLLM receives in place
 
     def __init__(self, side: ReceiverSide, place: VLLMPlace):
+        learner = decode(LearnerInfo, side.store.get(LEARNER_KEY), "transport entry")
+        if learner.backend != place.communicator:
+            raise ValueError(f"the learner sends weights over {learner.backend}, but this vLLM actor was built to "
+                             f"receive over {place.communicator}: learner and vLLM actors need the same model.device")
         self.side, self.place = side, place
 
     def arrival(self) -> Arrival:
         return self.place.arrival
 
     def join(self, epoch: int, rank: int, group: Group) -> None:
-        if group.port is None:
-            raise ValueError(f"rank 0's decision for epoch {epoch} names no port for vLLM's rendezvous")
-        info = init_info(master_address=self.side.store_host, master_port=group.port,
-                         rank=group.ranks.index(rank) + 1, world_size=len(group.ranks) + 1,
-                         workers_per_engine=self.place.workers)
-        self.place.llm.init_weight_transfer_engine(self.place.init_request(init_info={**info,
-                                                                                     **self.place.init_extra}))
+        world = len(group.ranks) + 1
+        if self.place.communicator == "nccl":
+            if group.port is None:
+                raise ValueError(f"rank 0's decision for epoch {epoch} names no port for vLLM's rendezvous")
+            info = init_info(master_address=self.side.store_host, master_port=group.port,
+                             rank=group.ranks.index(rank) + 1, world_size=world, workers_per_engine=self.place.workers)
+        else:  # the epoch's gloo group forms on rank 0's own store, under the epoch's prefix
+            info = init_info(master_address=self.side.store_host, master_port=self.side.store.port,
+                             rank=group.ranks.index(rank) + 1, world_size=world, workers_per_engine=self.place.workers)
+            info.update(epoch=epoch, timeout_s=self.side.timeout_s)
+        self.place.llm.init_weight_transfer_engine({"init_info": {**info, **self.place.init_extra}})
 
     def receive(self) -> None:
         llm = self.place.llm
-        start = getattr(llm, "start_weight_update", None)
-        if start is not None:  # later vLLM: HF-format names go through layerwise reload
-            start(**supported_kwargs(start, {"is_checkpoint_format": True}))
-        llm.update_weights(self.place.update_request(update_info=dict(self.place.update_info)))
-        finish = getattr(llm, "finish_weight_update", None)
-        if finish is not None:
-            finish()
-        # Prefix-cache blocks hold keys/values of the old weights; new requests must not reuse them.
-        reset = getattr(llm, "reset_prefix_cache", None)
-        if reset is not None:
-            reset()
+        llm.start_weight_update(**supported_kwargs(llm.start_weight_update, {"is_checkpoint_format": True}))
+        try:
+            llm.update_weights({"update_info": dict(self.place.update_info)})
+        finally:
+            # Also after a broken-off broadcast: vLLM then puts back the layers that got
+            # nothing, and the model runs again, of two versions (not `intact`).
+            llm.finish_weight_update()
 
     def leave(self) -> None:
         pass
@@ -233,23 +163,19 @@ class VLLMReceiverEnd:
 
 class VLLMWeightReceiver(Member):
     """A vLLM actor's receiver, same interface as `WeightReceiver`: `receive(...)` per
-    SyncOrder, `intact` False while vLLM holds a half-updated model."""
+    SyncOrder, `intact` False while vLLM holds a model of two versions."""
 
-    def __init__(self, llm: Any, specs: list[Spec], *, bucket_mb: float, backend: str, timeout_s: float,
+    transport = "vllm"
+
+    def __init__(self, llm: Any, specs: list[Spec], *, bucket_mb: float, communicator: str, timeout_s: float,
                  workers_per_engine: int = 1) -> None:
-        if backend != "nccl":
-            raise ValueError(f"vLLM's weight transfer runs over NCCL only, not {backend!r}")
         super().__init__(timeout_s)
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-
-        init_extra, update_extra = place_wire_params(
-            wire_params(bucket_mb), [f.name for f in fields(NCCLWeightTransferEngine.init_info_cls)],
-            [f.name for f in fields(NCCLWeightTransferEngine.update_info_cls)])
+        init_fields, update_fields = info_fields(communicator)
+        init_extra, update_extra = place_wire_params(wire_params(bucket_mb), init_fields, update_fields)
         # What rank 0 checks at arrival: the same packed layout as its buckets (plan_packed).
         arrival = Arrival("vllm", workers_per_engine, layout_id(specs, int(bucket_mb * 2**20)))
-        self.place = VLLMPlace(llm, workers_per_engine, arrival, WeightTransferInitRequest, init_extra,
-                               WeightTransferUpdateRequest, {**update_info(specs), **update_extra})
+        self.place = VLLMPlace(llm, communicator, workers_per_engine, arrival, init_extra,
+                               {**update_info(specs), **update_extra})
 
     def open_end(self, side: ReceiverSide) -> VLLMReceiverEnd:
         return VLLMReceiverEnd(side, self.place)
@@ -258,6 +184,15 @@ class VLLMWeightReceiver(Member):
         self.intact = False
         end.receive()
         self.intact = True
+
+
+def info_fields(communicator: str) -> tuple[list[str], list[str]]:
+    """The field names of the installed vLLM engine's init and update info."""
+    if communicator == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine as engine
+    else:
+        from .vllm_gloo import GlooWeightTransferEngine as engine
+    return [f.name for f in fields(engine.init_info_cls)], [f.name for f in fields(engine.update_info_cls)]
 
 
 TRANSPORT = WeightTransport("vllm", VLLMSender, VLLMReceiverEnd)

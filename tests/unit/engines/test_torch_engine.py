@@ -83,7 +83,7 @@ def test_factory_and_interface(model_dir: str) -> None:
     eng = make_engine("torch", model_or_path=model_dir)
     assert isinstance(eng, TorchEngine) and isinstance(eng, GenerationEngine)
     if importlib.util.find_spec("vllm") is None:  # the factory names the missing optional dependency
-        with pytest.raises(RuntimeError, match=r"vLLM >= 0\.16"):
+        with pytest.raises(RuntimeError, match=r"vLLM >= 0\.32"):
             make_engine("vllm")
 
 
