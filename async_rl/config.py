@@ -51,7 +51,7 @@ class TaskConfig(_Section):
 
 
 class VLLMConfig(_Section):
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="vLLM's compute dtype (weights arrive in the learner's float32 and are cast); `auto` = the model config's. float32 makes the actors' log-probs those of the learner's weights up to kernel rounding; bfloat16 is faster where the hardware has it, at a larger train-inference mismatch (is/mismatch_kl).")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="vLLM's compute dtype; `auto` = the model config's. Weights travel to the actors in it where it is 16-bit (half the bytes of the learner's float32), else in float32. float32 makes the actors' log-probs those of the learner's weights up to kernel rounding; bfloat16 is faster where the hardware has it, at a larger train-inference mismatch (is/mismatch_kl).")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response vLLM accepts (null = the model's max_position_embeddings); it must fit the KV cache.")
     kv_cache_gb: float = Field(1.0, gt=0.0, description="CPU: KV-cache memory per actor, in GiB (VLLM_CPU_KVCACHE_SPACE; vLLM's own default would take 92% of the machine).")
     gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="GPU: fraction of the GPU's memory vLLM may take (weights, activations and KV cache); low by default because a local run shares the GPU with the learner.")

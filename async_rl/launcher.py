@@ -79,10 +79,12 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
     for stale in ("endpoints.json", "status.json"):  # the launcher waits for a fresh endpoints.json
         (run_dir / stale).unlink(missing_ok=True)
     cfg.run_dir = str(run_dir)
+    check_engine(cfg)
     if cfg.model.path == "demo":
         cfg.model.path = str(ensure_demo_model(cfg, run_dir / "base_model"))
     elif not (Path(cfg.model.path) / "config.json").exists():
         raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json)")
+    check_engine(cfg, model=True)
     check_task(cfg)
     chosen = choose_learner_ranks(cfg)
     if chosen:
@@ -129,6 +131,30 @@ def choose_learner_ranks(cfg: Config) -> str | None:
         raise ConfigError(f"learner.ranks: auto chose {cfg.learner.ranks}, but "
                           f"{err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
     return f"learner.ranks=auto: {cfg.learner.ranks} ({why}; set learner.ranks to choose)"
+
+
+def check_engine(cfg: Config, model: bool = False) -> None:
+    """vLLM actors: vLLM importable here, as each actor will import it, and (`model`) a
+    model and settings it can run; in one line (exit 2) before anything starts, instead
+    of in every actor. Nothing to check for the torch engine."""
+    if cfg.actors.engine != "vllm":
+        return
+    from .weight_sync.vllm_api import VLLMUnavailable, require_vllm
+
+    try:
+        require_vllm()
+    except VLLMUnavailable as err:
+        raise ConfigError(str(err)) from None  # it names actors.engine
+    if model:
+        from transformers import AutoConfig
+
+        from .engines.vllm_engine import VLLMConfigError, check_model
+
+        try:
+            check_model(AutoConfig.from_pretrained(cfg.model.path), resolve_device(cfg.model.device),
+                        cfg.actors.vllm.max_model_len)
+        except VLLMConfigError as err:
+            raise ConfigError(str(err)) from None
 
 
 def check_task(cfg: Config) -> None:

@@ -36,7 +36,7 @@ from torch import nn
 
 from async_rl.engines.base import Completion, GenerationEngine
 from async_rl.weight_sync.plan import Spec
-from async_rl.weight_sync.vllm import VLLMWeightReceiver, vllm_backend
+from async_rl.weight_sync.vllm import VLLMWeightReceiver, vllm_backend, wire_dtype
 from async_rl.weight_sync.vllm_api import require_vllm
 
 
@@ -113,7 +113,8 @@ def completion_from_output(output: Any, version: int) -> Completion:
 class VLLMEngine(GenerationEngine):
     """Sampling engine around one offline `vllm.LLM` (tensor-parallel size 1).
 
-    `dtype`: vLLM's compute dtype (weights arrive in the learner's float32 and are cast).
+    `dtype`: vLLM's compute dtype; weights arrive in it where it is 16-bit, else in the
+    learner's float32 (weight_sync/vllm.py: `wire_dtype`).
     On a CPU, `kv_cache_gb` sizes the KV cache and `threads` the OpenMP threads (vLLM
     does not pin them: the learner may share the cores); on a GPU, the one vLLM sees
     (CUDA_VISIBLE_DEVICES), `gpu_memory_utilization` is low by default because a local
@@ -155,10 +156,6 @@ class VLLMEngine(GenerationEngine):
         load_general_plugins()  # our gloo backend: its entry point must be installed (pip install -e .)
         self._check_backend(vllm_backend(self.communicator))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (module docstring)
-        logging.getLogger("vllm").setLevel(logging.WARNING)  # not vLLM's INFO lines in every actor log
-        # Every weight update warns that the rotary embedding and a tied output head "failed
-        # to load weights": neither has any in a checkpoint, and vLLM keeps what they hold.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         if device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             torch.set_num_threads(threads)  # vLLM's CPU worker disables set_num_threads once it starts
@@ -170,13 +167,17 @@ class VLLMEngine(GenerationEngine):
         self.llm = vllm.LLM(model=path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                             enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
                             weight_transfer_config=WeightTransferConfig(backend=vllm_backend(self.communicator)),
-                            **memory, **llm_kwargs)
+                            log_level="WARNING", **memory, **llm_kwargs)  # not vLLM's INFO lines in every actor log
+        # Every weight update warns that the rotary embedding and a tied output head "failed
+        # to load weights": neither has any in a checkpoint, and vLLM keeps what they hold.
+        # (After LLM(): configuring vLLM's logging resets its child loggers.)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         # Same EOS rule as TorchEngine: the explicit id(s), else the model config's.
         eos_token_id = getattr(config, "eos_token_id", None) if eos_token_id is None else eos_token_id
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         self.eos_token_ids = [int(e) for e in eos]
         self.stop_strings = [s for s in stop_strings if s]  # vLLM detokenizes itself: `tokenizer` is not needed
-        self.specs: list[Spec] = hf_parameter_specs(path, torch.float32)  # the learner's master weights
+        self.specs: list[Spec] = hf_parameter_specs(path, wire_dtype(dtype))  # as the learner sends them
         self._calls = 0
         self._cache_version = 0  # the version whose KV the prefix cache holds
         self.set_version(0)

@@ -25,6 +25,7 @@ import zmq
 
 from ..config import Config, from_yaml
 from ..engines import make_engine
+from ..engines.vllm_engine import VLLMConfigError
 from ..tracing import SpanRecorder, WaitSpan, now_us, spans_to_arrays
 from ..evaluation import score_prompts
 from ..prompting import stop_token_ids
@@ -36,6 +37,7 @@ from ..transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Heartb
 from ..transport.security import secure_client
 from .hub_client import ConnectError, HubClient, register
 from ..weight_sync import SyncAbandoned, WeightReceiver, describe
+from ..weight_sync.vllm_api import VLLMUnavailable
 from ..runtime import (make_prompt_format, make_task_from_config, peak_rss_mb, quiet_libraries, resolve_device,
                        sync_backend)
 
@@ -106,7 +108,11 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
         options = dict(seed=cfg.seed, threads=cfg.actors.threads, **cfg.actors.vllm.model_dump()) \
             if cfg.actors.engine == "vllm" else {}
-        engine = make_engine(cfg.actors.engine, model_or_path=cfg.model.path, device=device, **stops, **options)
+        try:
+            engine = make_engine(cfg.actors.engine, model_or_path=cfg.model.path, device=device, **stops, **options)
+        except (VLLMUnavailable, VLLMConfigError) as err:  # the engine cannot run here: one line
+            print(f"async-rl: actor {name}: {err}", file=sys.stderr, flush=True)
+            return 2
         task = make_task_from_config(cfg)
         reward = RewardGuard.for_task(task, cfg, logger=log)  # user code: failures are counted
         prompts = PromptIndex(task)

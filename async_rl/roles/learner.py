@@ -111,7 +111,12 @@ class Learner:
         self.prompt_format = make_prompt_format(cfg)  # for the samples shown in TensorBoard
         self.task = make_task_from_config(cfg)
         self.health = RunHealth(cfg.metrics.warn_after_steps, self.prompt_format.uses_chat, cfg.actors.max_new_tokens)
-        self.broadcaster = WeightBroadcaster(self.specs, bucket_mb=cfg.sync.bucket_mb, host=cfg.transport.host,
+        specs = self.specs
+        if cfg.actors.engine == "vllm":  # the weights travel in the vLLM actors' dtype where it is 16-bit
+            from ..weight_sync.vllm import wire_dtype
+
+            specs = [(name, shape, wire_dtype(cfg.actors.vllm.dtype)) for name, shape, _ in specs]
+        self.broadcaster = WeightBroadcaster(specs, bucket_mb=cfg.sync.bucket_mb, host=cfg.transport.host,
                                              backend=sync_backend(self.device), device=self.device,
                                              timeout_s=cfg.sync.timeout_s, transport=cfg.sync.transport,
                                              port=cfg.transport.store_port, engine=cfg.actors.engine,

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
+
 from .base import ReceiverSide, SenderSide, WeightTransport
 from .bucket_sets import BucketSet
 from .collective import broadcast_async, new_group, wait_all
@@ -42,6 +44,13 @@ from .records import LEARNER_KEY, Arrival, Group, LearnerInfo, decode
 from .vllm_api import init_info, place_wire_params, supported_kwargs, update_info, vllm_world, wire_params
 
 GLOO_BACKEND = "async_rl_gloo"  # vllm_gloo.BACKEND (that module imports vLLM, this one must not)
+
+
+def wire_dtype(vllm_dtype: str) -> torch.dtype:
+    """The dtype weights travel in to vLLM actors computing in `vllm_dtype`
+    (actors.vllm.dtype): theirs where it is a 16-bit one (half the bytes of the learner's
+    float32, cast once on rank 0), else float32 (vLLM casts on load)."""
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(vllm_dtype, torch.float32)
 
 
 def vllm_backend(communicator: str) -> str:

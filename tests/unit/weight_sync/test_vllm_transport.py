@@ -280,6 +280,12 @@ def test_plan_epoch_refuses(arrivals, engine, match) -> None:
         _decide(arrivals, engine)
 
 
+def test_weights_travel_in_a_16_bit_vllm_dtype() -> None:
+    assert vllm_transport.wire_dtype("bfloat16") == torch.bfloat16
+    assert vllm_transport.wire_dtype("float16") == torch.float16
+    assert vllm_transport.wire_dtype("float32") == vllm_transport.wire_dtype("auto") == torch.float32
+
+
 def test_layout_id_names_aside() -> None:
     specs = [("w0", (10,), torch.float32), ("w1", (3, 2), torch.bfloat16)]
     assert layout_id(specs, 48) == layout_id([("x." + n, s, d) for n, s, d in specs], 48)

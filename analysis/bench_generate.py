@@ -1,0 +1,107 @@
+"""Generation throughput of the actors' engines on one model: the torch engine and vLLM,
+in float32 and bfloat16, on the same prompts and settings.
+
+    python analysis/bench_generate.py [--config configs/smollm2.yaml]
+        [--variants torch:float32,torch:bfloat16,vllm:float32,vllm:bfloat16]
+        [--prompts 8] [--n 8] [--max-new-tokens 24] [--temperature 0.7] [--calls 4] [--threads 1]
+
+The prompts are the config's task's first training prompts, through its chat template,
+with its stop ids, as an actor sends them; each call samples --n responses per prompt
+(one actor request of --prompts groups). Each variant runs in a process of its own (vLLM
+keeps one engine per process) with --threads intra-op threads; its first call is left
+out (warm-up), and tokens/s = generated tokens / wall time of `generate`.
+
+Output: one JSON object per variant on stdout
+  {"engine", "dtype", "threads", "init_s", "calls_tokens_per_s" (timed calls),
+   "tokens_per_s" (their median), "peak_rss_gb"}
+then one line per variant with its ratio to the first variant.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def run_variant(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from async_rl.config import load_config
+    from async_rl.engines import make_engine
+    from async_rl.prompting import stop_token_ids
+    from async_rl.runtime import make_prompt_format, make_task_from_config, peak_rss_mb
+
+    engine_name, dtype = args.worker.split(":")
+    cfg = load_config(args.config)
+    prompt_format = make_prompt_format(cfg)
+    task = make_task_from_config(cfg)
+    prompts = [prompt_format.encode(task.train_prompt(i)) for i in range(args.prompts)]
+    options = dict(eos_token_id=stop_token_ids(cfg.model.path, prompt_format.tokenizer))
+    if engine_name == "vllm":
+        options.update(dtype=dtype, threads=args.threads, seed=cfg.seed)
+    else:
+        options.update(dtype=getattr(torch, dtype))
+    started = time.perf_counter()
+    engine = make_engine(engine_name, model_or_path=cfg.model.path, device="cpu", **options)
+    init_s = time.perf_counter() - started
+    generator = torch.Generator().manual_seed(cfg.seed)
+    rates = []
+    for _ in range(args.calls):
+        started = time.perf_counter()
+        out = engine.generate(prompts, n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              generator=generator)
+        rates.append(sum(len(c) for group in out for c in group) / (time.perf_counter() - started))
+    timed = rates[1:]
+    return {"engine": engine_name, "dtype": dtype, "threads": args.threads, "init_s": round(init_s, 1),
+            "calls_tokens_per_s": [round(r, 1) for r in timed], "tokens_per_s": round(statistics.median(timed), 1),
+            "peak_rss_gb": round(peak_rss_mb() / 1024, 2)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/smollm2.yaml")
+    ap.add_argument("--variants", default="torch:float32,torch:bfloat16,vllm:float32,vllm:bfloat16")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--calls", type=int, default=4, help="generate calls per variant; the first is a warm-up")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # engine:dtype, run in this process
+    args = ap.parse_args(argv)
+    if args.calls < 2:
+        ap.error("--calls must be at least 2 (the first is a warm-up)")
+    if args.worker:
+        print(json.dumps(run_variant(args)), flush=True)
+        return 0
+    results = []
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TRANSFORMERS_VERBOSITY="error")
+    for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
+        proc = subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
+                               "--worker", variant], cwd=ROOT, env=env, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            print(f"bench_generate: {variant} failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+            return 1
+        results.append(json.loads(lines[-1]))
+        print(lines[-1], flush=True)
+    base = results[0]
+    for r in results:
+        print(f"{r['engine']}:{r['dtype']}: {r['tokens_per_s']:.0f} tokens/s "
+              f"({min(r['calls_tokens_per_s']):.0f}-{max(r['calls_tokens_per_s']):.0f}), "
+              f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x {base['engine']}:{base['dtype']}, "
+              f"start {r['init_s']:.0f} s, peak RSS {r['peak_rss_gb']:.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
