@@ -40,11 +40,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from async_rl.weight_sync import WeightBroadcaster, WeightReceiver  # noqa: E402
-
-QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                  intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-            intermediate_size=256, vocab_size=512, max_position_embeddings=64, tie_word_embeddings=True)
+from bench_learner import QWEN25_05B, TINY  # noqa: E402  (the learner benchmark's shapes)
 
 
 def model_specs(shape: dict, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,10 +160,15 @@ def section_async_run(dry: bool, work: Path):
     return cmds, parse
 
 
-def run_section(name: str, dry: bool, work: Path, log) -> dict:
+def run_section(name: str, dry: bool, work: Path) -> dict:
     """Run one section's command under its limit (the whole process group is killed
     past it); its stdout goes to a file the section's parser reads, everything it
-    printed (and an async run's own logs) to the combined log."""
+    printed (and an async run's own logs) to the section's log, work/<name>.log."""
+    with open(work / f"{name}.log", "w") as log:
+        return _run_section(name, dry, work, log)
+
+
+def _run_section(name: str, dry: bool, work: Path, log) -> dict:
     cmds, parse = globals()[f"section_{name}"](dry, work)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
@@ -250,6 +256,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/gpu-check", help="where gpu_check.json/.md/.log go")
     ap.add_argument("--dry-run", action="store_true", help="the same sections on the CPU, at toy sizes")
     ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--jobs", type=int, default=1, help="sections at a time (more only for --dry-run: timings "
+                                                         "taken side by side mean nothing)")
     ap.add_argument("--ceilings", action="store_true", help=argparse.SUPPRESS)  # the ceilings section's process
     ap.add_argument("--untrained-demo", help=argparse.SUPPRESS)  # the dry async run's model
     args = ap.parse_args(argv)
@@ -266,6 +274,8 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device is visible (use --dry-run to check the plumbing on a CPU)", file=sys.stderr)
         return 2
+    if args.jobs > 1 and not args.dry_run:
+        ap.error("--jobs > 1 only with --dry-run")
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
@@ -274,10 +284,14 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     report = {"dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d"), "sections": {}}
-    with tempfile.TemporaryDirectory() as work, open(out / "gpu_check.log", "w") as log:
-        for name in sections:
-            report["sections"][name] = result = run_section(name, args.dry_run, Path(work), log)
-            print(f"gpu_check: {name}: {result['status']} ({result['seconds']} s)", flush=True)
+    with tempfile.TemporaryDirectory() as work:
+        # On a GPU one section at a time: their timings must not share the machine.
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures = {name: pool.submit(run_section, name, args.dry_run, Path(work)) for name in sections}
+            for name, future in futures.items():
+                report["sections"][name] = result = future.result()
+                print(f"gpu_check: {name}: {result['status']} ({result['seconds']} s)", flush=True)
+        (out / "gpu_check.log").write_text("".join((Path(work) / f"{name}.log").read_text() for name in sections))
     report["seconds"] = time.monotonic() - started
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)

@@ -11,7 +11,8 @@ SECTIONS = {"ceilings", "tests", "ipc_sync", "learner", "async_run"}
 
 
 def test_dry_run_checks_its_own_plumbing(tmp_path):
-    proc = subprocess.run([sys.executable, "analysis/gpu_check.py", "--dry-run", "--out", str(tmp_path)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "analysis/gpu_check.py", "--dry-run", "--jobs", "3", "--out", str(tmp_path)],
+                          cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + (tmp_path / "gpu_check.log").read_text()[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
