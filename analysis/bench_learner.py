@@ -25,19 +25,25 @@ barrier and `torch.cuda.synchronize()`.
 Precision: bf16 (FSDP2 MixedPrecisionPolicy) on CUDA, fp32 on CPU unless --precision.
 
 FLOPs (useful model FLOPs, the PaLM paper's MFU, Chowdhery et al. 2022, arXiv
-2204.02311, Appendix B): per token 6N (forward 2N + backward 4N, N = parameters, the
-tied embedding counted once: its lookup is free, the output projection is a matmul)
-plus the attention term 12 * layers * hidden * T per token for a sequence of T tokens,
-i.e. 12 * layers * hidden * sum_s T_s^2 per step (PaLM counts T without the causal
-halving; so do we). Only real tokens count: padding is not useful work, and
-activation-checkpointing recompute is not counted either (that would be HFU). The
-learner also scores only response tokens through the vocabulary projection when
-packing; the convention still counts 6N for every token.
-With shared prompts (`shared` variants) each group's prompt is computed once, so
-"tokens" and the FLOPs count it once: the figures are of the work actually done.
-MFU = FLOPs / step time / (peak * ranks). --peak-tflops is per device, default 989 =
-NVIDIA's H100/H200 SXM dense BF16 tensor-core peak (989.4 TFLOPS, without sparsity);
-on CPU mfu is null (no meaningful peak).
+2204.02311, Appendix B), per step:
+    6 * N_body * T_computed + 6 * V * H * T_scored + 12 * layers * H * sum_s T_s^2
+    + (forward only) 2 * N_body * T_computed + 2 * V * H * T_scored + 4 * layers * H * sum_s T_s^2
+      for each no-grad forward (the proximal policy when --minibatches > 1)
+N_body = parameters without the V x H token embedding; T_computed = tokens the
+decoder computes (real tokens: padding is not useful work; with shared prompts
+(`shared` variants) each group's prompt counts once, as it is computed once);
+T_scored = response tokens, the only ones whose next-token distribution the loss
+needs, so the only useful V x H output projections (tied or not, the embedding lookup
+is free); forward = 2 FLOPs per multiply-add, backward = 2x forward; attention
+12 * layers * H * T per token of a T-token sequence (PaLM counts T without the causal
+halving; so do we). Activation-checkpointing recompute is not counted (that would be
+HFU).
+MFU = FLOP/s per device / peak. On CUDA the peak is --peak-tflops (default 989 =
+NVIDIA's H100/H200 SXM dense BF16 tensor-core peak, without sparsity). On CPU there
+is no datasheet figure for one core, so the peak is measured in the same process,
+dtype and thread count: the model's own matmuls (each linear layer's weight times a
+micro-batch's tokens, and the output projection times its scored tokens) timed one by
+one, peak = their FLOPs / their time (`matmul_peak_tflops`, reported on both devices).
 
 Generation: `async_rl.engines.torch_engine.TorchEngine` on one device (rank 0's),
 an unsharded copy of the same model in the same dtype, --gen-prompts prompts x 1
@@ -46,8 +52,9 @@ stops early); tokens/s = generated tokens / wall time of `generate`.
 
 Output: one JSON object per line on stdout:
   {"kind": "learner", "variant", "pack", "share_prompt", "activation_checkpointing", "precision",
-   "device", "ranks", "params", "sequences", "tokens", "padded_tokens", "flops_per_step",
-   "step_s" (median), "steps_s" (all), "tokens_per_s", "tflops" (per device), "mfu", "peak_rss_gb"}
+   "device", "ranks", "params", "sequences", "tokens", "scored_tokens", "padded_tokens", "flops_per_step",
+   "step_s" (median), "steps_s" (all), "tokens_per_s", "tflops" (per device), "matmul_peak_tflops",
+   "mfu" (against the datasheet peak on CUDA, the measured matmul peak on CPU), "peak_rss_gb"}
   {"kind": "generate", "device", "precision", "params", "prompts", "new_tokens",
    "tokens", "seconds", "tokens_per_s"}
 """
@@ -164,10 +171,42 @@ def synthetic_groups(args, vocab: int) -> list[ExperienceGroup]:
     return groups
 
 
-def step_flops(n_params: int, layers: int, hidden: int, seq_lengths: torch.Tensor) -> float:
-    """PaLM Appendix B: 6N per token + 12 * layers * hidden * T per token of a T-token sequence."""
+def step_flops(mcfg, n_params: int, seq_lengths: torch.Tensor, scored: int, no_grad_forwards: int = 0) -> float:
+    """The module docstring's formula: useful FLOPs of one learner step."""
+    head = mcfg.vocab_size * mcfg.hidden_size
+    body = n_params - head * (1 if mcfg.tie_word_embeddings else 2)
     lengths = seq_lengths.double()
-    return float(6 * n_params * lengths.sum() + 12 * layers * hidden * (lengths ** 2).sum())
+    forward = 2 * body * lengths.sum() + 2 * head * scored + 4 * mcfg.num_hidden_layers * mcfg.hidden_size * (
+        lengths ** 2).sum()
+    return float(forward * (3 + no_grad_forwards))
+
+
+def linear_shapes(model: torch.nn.Module, tokens: int, scored: int) -> list[tuple[int, int, int]]:
+    """(M, K, N) of every linear layer's forward matmul on a micro-batch: `tokens` rows,
+    `scored` rows for the output projection."""
+    head = model.get_output_embeddings()
+    return [(scored if module is head else tokens, module.in_features, module.out_features)
+            for module in model.modules() if isinstance(module, torch.nn.Linear)]
+
+
+def matmul_peak_tflops(shapes: list[tuple[int, int, int]], dtype: torch.dtype, device: torch.device,
+                       repeats: int = 5) -> float:
+    """FLOPs / time of the given matmuls, each timed alone (median of `repeats`) after a
+    warm-up: the rate this process reaches on the model's own shapes."""
+    flops = seconds = 0.0
+    for m, k, n in sorted(set(shapes)):
+        count = shapes.count((m, k, n))
+        a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+        times = []
+        for _ in range(repeats + 1):
+            sync(device)
+            start = time.perf_counter()
+            a @ b
+            sync(device)
+            times.append(time.perf_counter() - start)
+        flops += 2.0 * m * k * n * count
+        seconds += statistics.median(times[1:]) * count
+    return flops / seconds / 1e12
 
 
 def sync(device: torch.device) -> None:
@@ -179,8 +218,8 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
     from torch.distributed.device_mesh import init_device_mesh
 
     from async_rl.config import build_config
-    from async_rl.models.sharding import shard_model
-    from async_rl.train_step import Models, train_step
+    from async_rl.models.sharding import adamw, shard_model
+    from async_rl.train_step import Models, micro_batch_plan, train_step
 
     mcfg = model_config(args)
     groups = synthetic_groups(args, mcfg.vocab_size)
@@ -204,7 +243,7 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
         model = make_model(args, mcfg).to(device)
         n_params = sum(p.numel() for p in model.parameters())
         policy = shard_model(model, mesh, precision=args.precision, activation_checkpointing=ac)
-        models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-6))
+        models = Models(policy, adamw(policy.parameters(), lr=1e-6, weight_decay=0.0))
         times = []
         for i in range(args.warmup + args.steps):
             dist.barrier()
@@ -216,16 +255,22 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
         computed = trees if share else lengths
-        flops = step_flops(n_params, mcfg.num_hidden_layers, mcfg.hidden_size, computed)
+        scored = int(batch.loss_mask.sum())
+        flops = step_flops(mcfg, n_params, computed, scored, no_grad_forwards=int(args.minibatches > 1))
         step_s = statistics.median(times)
         tflops = flops / step_s / world / 1e12
+        micros = sum(len(m) for m in micro_batch_plan(cfg, local))
+        peak = matmul_peak_tflops(linear_shapes(model, int(computed.sum()) // world // micros,
+                                                scored // world // micros),
+                                  torch.bfloat16 if args.precision == "bf16" else torch.float32, device)
         out.append({"kind": "learner", "variant": variant, "pack": pack, "share_prompt": share,
                     "activation_checkpointing": ac,
                     "precision": args.precision, "device": device.type, "ranks": world, "params": n_params,
-                    "sequences": int(batch.tokens.shape[0]), "tokens": int(computed.sum()),
+                    "sequences": int(batch.tokens.shape[0]), "tokens": int(computed.sum()), "scored_tokens": scored,
                     "padded_tokens": int(batch.tokens.numel()), "flops_per_step": flops, "step_s": step_s,
                     "steps_s": times, "tokens_per_s": float(computed.sum()) / step_s, "tflops": tflops,
-                    "mfu": tflops / args.peak_tflops if device.type == "cuda" else None,
+                    "matmul_peak_tflops": peak,
+                    "mfu": tflops / (args.peak_tflops if device.type == "cuda" else peak),
                     # Monotone within the process: one variant per run for its own peak.
                     "peak_rss_gb": peak_rss_mb() / 1024})
         del models, policy, model

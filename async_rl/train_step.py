@@ -65,12 +65,18 @@ def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False,
     else:
         logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits[:, :-1]
         targets, place = batch.tokens[:, 1:], lambda x: x
-    logits = logits.float() / temperature
-    logp = place(torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1))
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    # One log_softmax serves the log-probs and the entropy: on a large vocabulary each
+    # pass over [tokens, V] costs as much as a decoder layer's matmuls.
+    full = torch.log_softmax(logits, dim=-1)
+    logp = place(full.gather(-1, targets[..., None]).squeeze(-1))
     if not entropy:
         return logp, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        return logp, place(algorithms.token_entropy(logits))
+    grad = entropy_grad and torch.is_grad_enabled()
+    with torch.set_grad_enabled(grad):
+        return logp, place(algorithms.entropy_of_logp(full if grad else full.detach()))
 
 
 def _layouts(cfg: Config, model, local: Batch, micros: list[Micro]) -> dict[Micro, packing.Packed | None]:
@@ -122,7 +128,7 @@ def _with_overlong(cfg: Config, local: Batch) -> Batch:
     return local
 
 
-def _plan(cfg: Config, local: Batch) -> list[list[Micro]]:
+def micro_batch_plan(cfg: Config, local: Batch) -> list[list[Micro]]:
     """Per minibatch (equal disjoint row slices), its micro-batches: row ranges of whole groups."""
     t, lc = cfg.train, cfg.learner
     rows_per_micro = max(1, lc.micro_batch_size // t.group_size) * t.group_size
@@ -254,7 +260,7 @@ def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch
     t = cfg.train
     models.policy.train()
     local = _with_overlong(cfg, local)
-    plan = _plan(cfg, local)
+    plan = micro_batch_plan(cfg, local)
     layouts = _layouts(cfg, models.policy, local, [m for micros in plan for m in micros])
     prepared = _prepare(cfg, models, local, layouts)
     # Each loss term is a mean over its whole minibatch on every rank: count the units first.

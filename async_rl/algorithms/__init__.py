@@ -6,7 +6,7 @@ from .advantages import (ADVANTAGES, GROUP_METHODS, AdvantageEstimator, Advantag
                          discounted_returns, group_advantages, masked_whiten, reinforce_pp_advantages,
                          remax_advantages, token_rewards)
 from .aggregation import AGG_MODES, agg_denominator, aggregate
-from .entropy import token_entropy
+from .entropy import entropy_of_logp, token_entropy
 from .gae import gae_advantages, value_loss
 from .importance import EffectiveSampleSize, importance_weights, off_policy_figures
 from .kl import KL_KINDS, kl_estimate
@@ -58,6 +58,7 @@ __all__ = [
     "ppo_clip_loss",
     "reinforce_pp_advantages",
     "remax_advantages",
+    "entropy_of_logp",
     "token_entropy",
     "token_rewards",
     "value_loss",

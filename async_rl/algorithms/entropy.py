@@ -12,8 +12,12 @@ import torch
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """`[..., V]` logits -> `[...]` entropies in nats; differentiable."""
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    # Tokens with zero probability contribute 0. Replace their -inf *before* the
-    # product: masking 0 * -inf afterwards would still send NaN through the backward.
-    safe_logp = torch.where(logp.isfinite(), logp, torch.zeros_like(logp))
-    return -(logp.exp() * safe_logp).sum(dim=-1)
+    return entropy_of_logp(torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1))
+
+
+def entropy_of_logp(logp: torch.Tensor) -> torch.Tensor:
+    """`[..., V]` log-probabilities (a log_softmax the caller already has) -> `[...]`
+    entropies; differentiable. Tokens with zero probability contribute 0: their -inf is
+    clamped to the dtype's lowest finite value before the product, so neither 0 * -inf
+    nor its backward makes a NaN (the clamp's gradient there is 0, and so is p's)."""
+    return -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(dim=-1)

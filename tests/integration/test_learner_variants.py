@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -75,10 +76,13 @@ def test_bench_learner_tiny_prints_schema():
     learner = [l for l in lines if l["kind"] == "learner"]
     assert [l["variant"] for l in learner] == ["padded", "packed+ac"]
     for l in learner:
-        assert l["device"] == "cpu" and l["ranks"] == 2 and l["mfu"] is None and l["precision"] == "fp32"
-        assert l["tokens"] <= l["padded_tokens"] and l["step_s"] > 0 and len(l["steps_s"]) == 1
+        assert l["device"] == "cpu" and l["ranks"] == 2 and l["precision"] == "fp32"
+        assert l["scored_tokens"] < l["tokens"] <= l["padded_tokens"] and l["step_s"] > 0 and len(l["steps_s"]) == 1
         assert abs(l["tokens_per_s"] - l["tokens"] / l["step_s"]) < 1e-6 * l["tokens_per_s"]
-        assert l["flops_per_step"] > 6 * l["params"] * l["tokens"]
+        # 6 FLOPs per parameter and token, the tied V x H head on scored tokens only; attention on top.
+        head = 16 * 64
+        assert l["flops_per_step"] > 6 * (l["params"] - head) * l["tokens"] + 6 * head * l["scored_tokens"]
+        assert l["matmul_peak_tflops"] > 0 and l["mfu"] == pytest.approx(l["tflops"] / l["matmul_peak_tflops"])
     (gen,) = [l for l in lines if l["kind"] == "generate"]
     assert gen["tokens"] == gen["prompts"] * gen["new_tokens"] and gen["tokens_per_s"] > 0
 
@@ -90,3 +94,16 @@ def assert_same_run(a: dict, b: dict, atol: float) -> None:
             torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=atol, msg=name)
         else:
             torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
+
+
+def test_step_flops_by_hand():
+    sys.path.insert(0, str(ROOT / "analysis"))
+    from bench_learner import step_flops
+
+    tied = SimpleNamespace(vocab_size=10, hidden_size=4, num_hidden_layers=2, tie_word_embeddings=True)
+    lengths = torch.tensor([3, 5])
+    # forward: 2 * (1000 - 40) * 8 tokens + 2 * 40 * 4 scored + 4 * 2 layers * 4 * (9 + 25) = 16768
+    assert step_flops(tied, 1000, lengths, scored=4) == 3 * 16768
+    assert step_flops(tied, 1000, lengths, scored=4, no_grad_forwards=1) == 4 * 16768
+    untied = SimpleNamespace(**{**vars(tied), "tie_word_embeddings": False})
+    assert step_flops(untied, 1000, lengths, scored=4) == 3 * (2 * 920 * 8 + 2 * 40 * 4 + 4 * 2 * 4 * 34)
