@@ -38,8 +38,9 @@ def shard_model(model: torch.nn.Module, mesh, *, precision: str = "fp32",
         # The policy itself, or the critic's trunk: the outermost HF model inside `model`.
         hf = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
         hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    # One rank: nothing to free by resharding after the forward, and the backward would
-    # copy (and cast) every layer's parameters again.
+    # One rank: resharding after the forward frees nothing the backward will not gather
+    # (and cast) again. A model that never runs a backward (the KL reference) then keeps
+    # its gathered copy between forwards: the memory of one more copy, no gather per step.
     reshard = mesh.size() > 1
     layer_types = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
@@ -51,7 +52,7 @@ def shard_model(model: torch.nn.Module, mesh, *, precision: str = "fp32",
 
 def adamw(params, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW with torch's fused kernel (one pass over each parameter's state instead of
-    the foreach implementation's several), on CPU and CUDA alike; the update is the same."""
+    the foreach implementation's several), on CPU and CUDA alike; the same update rule."""
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
 
 
