@@ -9,14 +9,12 @@ and `--resume` falls back to the newest intact one.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
-import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import msgpack
 import msgspec
@@ -25,11 +23,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .checkpoint_integrity import MANIFEST, CheckpointError, check_partition, verify_checkpoint, write_manifest
+from .checkpoint_integrity import CheckpointError, check_partition, complete_checkpoints, write_manifest
 
 STATE_FILE = "coordinator.json"  # learner counters + coordinator state, written by rank 0
 BUFFER_FILE = "buffer.msgpack"  # the replay buffer's groups, in wire format
-_COMPLETE = re.compile(r"step_(\d{6,})")
 log = logging.getLogger("async_rl.checkpoint")
 
 Parts = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
@@ -105,55 +102,6 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _committed(checkpoints_dir: Path) -> list[Path]:
-    """Every `step_N` directory (renamed from `.partial`, so once complete), oldest first."""
-    if not checkpoints_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in checkpoints_dir.iterdir() if (m := _COMPLETE.fullmatch(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
-    """Committed checkpoints with a manifest, oldest first, unverified (`.partial` and
-    `.damaged` directories are never listed)."""
-    return [p for p in _committed(checkpoints_dir) if (p / MANIFEST).is_file()]
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint, unverified: see latest_intact_checkpoint to resume."""
-    found = complete_checkpoints(run_dir / "checkpoints")
-    return found[-1] if found else None
-
-
-def latest_intact_checkpoint(run_dir: Path, warn: Callable[[str], None] = log.warning
-                             ) -> tuple[Path | None, list[str]]:
-    """(the newest checkpoint of `run_dir` that verifies or None, "NAME: reason" for each
-    newer damaged one), walking newest to oldest. When an intact one is found, each damaged
-    one is renamed NAME.damaged with one `warn` line: rotation and later resumes pass over
-    it, the evidence stays. When none is, nothing is renamed: the caller refuses, and a
-    second attempt gives the same reasons."""
-    damaged: list[tuple[Path, str]] = []
-    for path in reversed(_committed(run_dir / "checkpoints")):
-        reason = verify_checkpoint(path)
-        if reason is None:
-            for bad, why in damaged:
-                kept = _set_aside(bad)
-                warn(f"checkpoint {bad.name} is damaged ({why}), kept as {kept.name}; resuming from an earlier one")
-            return path, [f"{bad.name}: {why}" for bad, why in damaged]
-        damaged.append((path, reason))
-    return None, [f"{bad.name}: {why}" for bad, why in damaged]
-
-
-def _set_aside(path: Path) -> Path:
-    """Rename a damaged checkpoint to NAME.damaged (NAME.damaged.N if taken); returns it."""
-    for n in itertools.count():
-        target = path.with_name(f"{path.name}.damaged" + (f".{n}" if n else ""))
-        if not target.exists():
-            os.rename(path, target)
-            return target
-    raise AssertionError("unreachable")
-
-
 def load_checkpoint(path: Path, parts: Parts) -> dict:
     """Collective: load the sharded model/optimizer pairs in place (resharding to this
     world size if it changed) and return the JSON state (read first: a garbled one
@@ -190,8 +138,7 @@ def write_groups(path: Path, groups: list[tuple[int, int, object]]) -> None:
 
     encoder = msgspec.msgpack.Encoder()
     with open(path, "wb") as out:
-        for index, version, msg in groups:
-            out.write(encoder.encode(_BufferRecord(index, version, encode(msg))))
+        out.writelines(encoder.encode(_BufferRecord(index, version, encode(msg))) for index, version, msg in groups)
 
 
 def read_groups(path: Path) -> list[tuple[int, int, object]]:

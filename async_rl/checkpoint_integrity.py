@@ -8,12 +8,18 @@ garbled, bit-rotted, or joined by a stray file) is damaged; `--resume` passes ov
 """
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import os
+import re
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 MANIFEST = "manifest.json"
+_COMPLETE = re.compile(r"step_(\d{6,})")
+log = logging.getLogger("async_rl.checkpoint")
 _CHUNK = 1 << 20
 
 
@@ -118,3 +124,53 @@ def check_partition(state: dict, buffered: list[int]) -> None:
         first = next(i for i in range(next_, admitted) if i not in owner)  # within len(owner) + 1 tries
         raise CheckpointError(f"coordinator state: admitted slot {first} is neither buffered, pending nor "
                               f"skipped ({holes} such slots)")
+
+
+# -- which checkpoint to resume from (no torch here: the launcher asks before any rank starts)
+def _committed(checkpoints_dir: Path) -> list[Path]:
+    """Every `step_N` directory (renamed from `.partial`, so once complete), oldest first."""
+    if not checkpoints_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in checkpoints_dir.iterdir() if (m := _COMPLETE.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
+    """Committed checkpoints with a manifest, oldest first, unverified (`.partial` and
+    `.damaged` directories are never listed)."""
+    return [p for p in _committed(checkpoints_dir) if (p / MANIFEST).is_file()]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint, unverified: see latest_intact_checkpoint to resume."""
+    found = complete_checkpoints(run_dir / "checkpoints")
+    return found[-1] if found else None
+
+
+def latest_intact_checkpoint(run_dir: Path, warn: Callable[[str], None] = log.warning
+                             ) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint of `run_dir` that verifies or None, "NAME: reason" for each
+    newer damaged one), walking newest to oldest. When an intact one is found, each damaged
+    one is renamed NAME.damaged with one `warn` line: rotation and later resumes pass over
+    it, the evidence stays. When none is, nothing is renamed: the caller refuses, and a
+    second attempt gives the same reasons."""
+    damaged: list[tuple[Path, str]] = []
+    for path in reversed(_committed(run_dir / "checkpoints")):
+        reason = verify_checkpoint(path)
+        if reason is None:
+            for bad, why in damaged:
+                kept = _set_aside(bad)
+                warn(f"checkpoint {bad.name} is damaged ({why}), kept as {kept.name}; resuming from an earlier one")
+            return path, [f"{bad.name}: {why}" for bad, why in damaged]
+        damaged.append((path, reason))
+    return None, [f"{bad.name}: {why}" for bad, why in damaged]
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to NAME.damaged (NAME.damaged.N if taken); returns it."""
+    for n in itertools.count():
+        target = path.with_name(f"{path.name}.damaged" + (f".{n}" if n else ""))
+        if not target.exists():
+            os.rename(path, target)
+            return target
+    raise AssertionError("unreachable")

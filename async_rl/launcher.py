@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from .checkpoint import latest_intact_checkpoint
+from .checkpoint_integrity import latest_intact_checkpoint
 from .config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
 from .run_lock import RunLock
 from .run_dir import RunDir

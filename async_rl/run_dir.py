@@ -31,6 +31,8 @@ from pathlib import Path
 
 import yaml
 
+from .checkpoint_integrity import complete_checkpoints
+
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 STATUS_FILE = "status.json"
@@ -253,9 +255,7 @@ class RunDir:
         return read_trace(self.trace_path)
 
     def checkpoints(self) -> list[Path]:
-        """Committed checkpoints, oldest first, unverified (checkpoint.complete_checkpoints)."""
-        from .checkpoint import complete_checkpoints  # imports torch: only when asked
-
+        """Committed checkpoints, oldest first, unverified (checkpoint_integrity.complete_checkpoints)."""
         return complete_checkpoints(self.checkpoints_dir)
 
     def final_model(self) -> Path | None:

@@ -105,7 +105,11 @@ class Hub:
             while True:
                 if self._stopping.is_set():
                     stop_deadline = stop_deadline or time.monotonic() + self._drain_s
-                    if not handler.live_actors or time.monotonic() > stop_deadline:
+                    if not handler.live_actors:
+                        break
+                    if time.monotonic() > stop_deadline:
+                        log.warning("closing with %d actor(s) that did not say goodbye within %gs: their last "
+                                    "timeline spans are lost", handler.live_actors, self._drain_s)
                         break
                 events = dict(poller.poll(50))
                 with self.lock:

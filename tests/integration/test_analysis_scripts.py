@@ -215,7 +215,8 @@ def test_throughput_async_vs_sync(async_run, sync_run):
     for run_dir in traced:
         assert_pngs(run_dir / "analysis", "time_shares.png", "timeline.png")
         tracks = trace_tracks(run_dir)
-        assert "learner" in tracks and any(t.startswith("actor-") for t in tracks), sorted(tracks)
+        assert "learner" in tracks and any(t.startswith("actor-") for t in tracks), \
+            (sorted(tracks), [log.read_text()[-1500:] for log in sorted((run_dir / "logs").glob("*.log"))])
         by_role = {r["role"]: r for r in shares if r["run"] == run_dir.name}
         assert set(by_role) == {"learner", "actor"}
         for r in by_role.values():  # the shares of a role's wall time add up to 1

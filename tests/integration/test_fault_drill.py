@@ -5,7 +5,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, subprocess_env
+
+pytestmark = pytest.mark.extended
 
 TINY = ["train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4", "task.eval_size=32",
         "eval.every=10", "train.max_steps=30", "learner.ranks=1"]

@@ -5,11 +5,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, subprocess_env
 
 SECTIONS = {"ceilings", "tests", "ipc_sync", "learner", "async_run"}
 
 
+@pytest.mark.extended
 def test_dry_run_checks_its_own_plumbing(tmp_path):
     proc = subprocess.run([sys.executable, "analysis/gpu_check.py", "--dry-run", "--jobs", "3", "--out", str(tmp_path)],
                           cwd=ROOT,

@@ -10,7 +10,8 @@ import msgpack
 import pytest
 from conftest import ROOT, kill_tree, read_metrics, subprocess_env, train
 
-from async_rl.checkpoint import BUFFER_FILE, latest_checkpoint, read_groups, write_groups
+from async_rl.checkpoint import BUFFER_FILE, read_groups, write_groups
+from async_rl.checkpoint_integrity import latest_checkpoint
 
 SMALL = ["train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4", "task.eval_size=32",
          "eval.every=5", "max_staleness=2"]

@@ -18,6 +18,7 @@ from conftest import load_analysis, subprocess_env, train
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "analysis/simulate.py"
+pytestmark = pytest.mark.extended
 
 
 sim = load_analysis("simulate")

@@ -52,6 +52,7 @@ def test_help_works_and_names_max_staleness():
     assert "max_staleness" in proc.stdout
 
 
+@pytest.mark.extended
 def test_tiny_sweep_one_loss(out, demo_model):
     proc = sweep("--model", str(demo_model), "--losses", "naive", *TINY, "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -62,6 +63,7 @@ def test_tiny_sweep_one_loss(out, demo_model):
     assert table_rows((out / "sweep.md").read_text())[0] == "| max_staleness | naive | mean staleness |"
 
 
+@pytest.mark.extended
 def test_tiny_sweep_resumes_then_report_only(out, demo_model):
     finished_before = {n for n in ["naive-s0", "naive-s2"] if (out / n / "final").is_dir()}
     proc = sweep("--model", str(demo_model), "--losses", "naive", "opmd", *TINY, "--out", str(out))
