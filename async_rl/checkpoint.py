@@ -138,7 +138,8 @@ def write_groups(path: Path, groups: list[tuple[int, int, object]]) -> None:
 
     encoder = msgspec.msgpack.Encoder()
     with open(path, "wb") as out:
-        out.writelines(encoder.encode(_BufferRecord(index, version, encode(msg))) for index, version, msg in groups)
+        for index, version, msg in groups:
+            out.write(encoder.encode(_BufferRecord(index, version, encode(msg))))
 
 
 def read_groups(path: Path) -> list[tuple[int, int, object]]:

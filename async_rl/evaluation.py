@@ -12,10 +12,10 @@ metrics line is logged at step u. An actor holding u gets the round's chunks whe
 would otherwise wait (admission closed by the staleness bound, or the run's last step
 reached) and before any weight sync, so every score of a round comes from the same
 weights; when training prompts are admissible it gets those first, so that the learner
-is not left waiting for data while the actors evaluate. If no live actor holds u any more while chunks are left
-(the one that held it died), the round starts over at the next version an actor
-holds. Each actor scores its chunk with `eval.pass_k` samples per prompt, greedy
-unless `eval.temperature` > 0, and pushes one EvalResult.
+is not left waiting for data while the actors evaluate. If no live actor holds u any
+more while chunks are left (the one that held it died), the round starts over at the
+next version an actor holds. Each actor scores its chunk with `eval.pass_k` samples per
+prompt, greedy unless `eval.temperature` > 0, and pushes one EvalResult.
 """
 from __future__ import annotations
 
