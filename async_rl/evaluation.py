@@ -6,16 +6,14 @@ for it, and no learner rank waits in a collective while rank 0 decodes (with a l
 held-out set that wait ran into `learner.timeout_s`). Evaluation costs actor time,
 like generation, and shows up as such in the trace.
 
-A round is requested at learner version v. The first actor holding weights of version
-u >= v that is given a chunk (`eval.batch_size` prompts) pins the round to u, and its
-metrics line is logged at step u. An actor holding u gets the round's chunks when it
-would otherwise wait (admission closed by the staleness bound, or the run's last step
-reached) and before any weight sync, so every score of a round comes from the same
-weights; when training prompts are admissible it gets those first, so that the learner
-is not left waiting for data while the actors evaluate. If no live actor holds u any
-more while chunks are left (the one that held it died), the round starts over at the
-next version an actor holds. Each actor scores its chunk with `eval.pass_k` samples per
-prompt, greedy unless `eval.temperature` > 0, and pushes one EvalResult.
+A round is requested at learner version v. The first actor that asks for work holding
+weights of version u >= v pins the round to u; from then on, actors holding u get its
+chunks (`eval.batch_size` prompts each) before anything else, also before a weight
+sync, so every score of a round comes from the same weights, and the round's metrics
+line is logged at step u. If no live actor holds u any more while chunks are left
+(the one that held it died), the round starts over at the next version an actor
+holds. Each actor scores its chunk with `eval.pass_k` samples per prompt, greedy
+unless `eval.temperature` > 0, and pushes one EvalResult.
 """
 from __future__ import annotations
 

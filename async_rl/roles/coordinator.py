@@ -32,7 +32,7 @@ from ..replay_buffer import ReplayBuffer, Taken
 from ..tasks.base import Task
 from ..tasks.reward_guard import REASONS
 from ..tracing import TraceWriter
-from ..transport import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone,
+from ..transport import (EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone,
                          SyncOrder, TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, claimed_group)
 from ..weight_sync import WeightBroadcaster
 from .actor_registry import ActorInfo, ActorRegistry
@@ -231,20 +231,18 @@ class Coordinator:
         return None
 
     def _answer_work(self, actor: ActorInfo, req: WorkRequest):
-        """Goodbye, an evaluation chunk, a weight sync, training prompts or Wait. Evaluation
-        fills the time the actor would wait for admission, and comes before a weight sync
-        so that a round is scored with one version (evaluation.py); training prompts come
-        first otherwise, so a round does not leave the learner without data."""
         if self._stopping.is_set():
             return Goodbye(reason="run finished")
+        if req.max_groups > 0:  # intact weights: evaluation first, also before a sync (see evaluation.py)
+            grant = self.evals.grant(actor.actor_id, req.version, self.actors.ready_versions())
+            if grant is not None:
+                return grant
         job = self.broadcaster.job()
         # Every member must join each broadcast, also one that already holds these
         # weights: a membership change needs the new epoch's group formed by all.
-        sync_due = job is not None and actor.actor_id in job.members and actor.synced != (job.epoch, job.version)
-        if sync_due:
-            return self._eval_chunk(actor, req) or SyncOrder(
-                epoch=job.epoch, rank=job.rank_of(actor.actor_id), world_size=len(job.members) + 1,
-                store_host=self.broadcaster.host, store_port=self.broadcaster.port, version=job.version)
+        if job is not None and actor.actor_id in job.members and actor.synced != (job.epoch, job.version):
+            return SyncOrder(epoch=job.epoch, rank=job.rank_of(actor.actor_id), world_size=len(job.members) + 1,
+                             store_host=self.broadcaster.host, store_port=self.broadcaster.port, version=job.version)
         # Past the last step the learner takes no more batches.
         wanted = req.max_groups if self.version < self.cfg.train.max_steps else 0
         indices, prompts = [], []
@@ -260,13 +258,8 @@ class Coordinator:
             self.granted[i] = Grant(actor.actor_id, req.version, prompt.id)
             actor.outstanding.add(i)
         if not indices:
-            return self._eval_chunk(actor, req) or Wait(seconds=0.02)
+            return Wait(seconds=0.02)
         return WorkGrant(groups=indices, prompt_ids=[p.id for p in prompts])
-
-    def _eval_chunk(self, actor: ActorInfo, req: WorkRequest) -> EvalGrant | None:
-        if req.max_groups == 0:  # weights left half-updated by a broken-off sync are not scored
-            return None
-        return self.evals.grant(actor.actor_id, req.version, self.actors.ready_versions())
 
     def _too_long(self, prompt) -> bool:
         if self.prompt_length is None or self.prompt_limit is None:

@@ -4,10 +4,9 @@ from conftest import read_metrics, train
 
 
 def test_an_evaluation_longer_than_the_learner_timeout_stalls_no_rank(tmp_path, demo_model):
-    """Each evaluation round keeps the only actor busy for longer than learner.timeout_s;
-    after the last step both learner ranks wait for the final round (and the step-0
-    round still open before it): nobody times out (the learner waits in short
-    collectives and counts evaluation results as progress)."""
+    """The step-0 evaluation keeps the only actor busy for longer than learner.timeout_s
+    before it generates anything, while both learner ranks wait: nobody times out (the
+    learner waits in short collectives and counts evaluation results as progress)."""
     run = tmp_path / "long_eval"
     # About 9 s of evaluation on a quiet 2-core machine (more under load), against a 6 s
     # timeout: a margin for faster machines, while every collective still gets 6 s.

@@ -258,31 +258,21 @@ def test_prompts_over_the_limit_are_skipped_and_later_slots_flow(tmp_path):
         assert coord.counters()["data/prompts_skipped"] == len(long_ones) and coord.too_long_in_a_row() == 0
 
 
-def test_evaluation_fills_the_wait_for_admission_and_comes_before_a_sync(tmp_path):
-    """Training prompts come first while admission is open; evaluation chunks fill the
-    wait once the staleness bound closes it, and go before a newer broadcast, so the
-    round is scored with one version; the results end up as one metrics line."""
-    from async_rl.transport import SyncOrder
-
-    config = {"train": {"batch_groups": 4, "group_size": G}, "eval": {"size": 3, "batch_size": 2}}
-    with running_coordinator(tmp_path, config) as (coord, ctx, _):
+def test_an_actor_holding_the_pinned_weights_evaluates_before_it_syncs(tmp_path):
+    """Evaluation chunks go to actors at the round's version first, also while a newer
+    broadcast waits for them, and their results end up as one metrics line."""
+    with running_coordinator(tmp_path, {"eval": {"size": 3, "batch_size": 2}}) as (coord, ctx, _):
         sock = dealer(ctx, coord.hub_addr)
         welcome = ask(sock, Hello(actor_name="t", pid=1, host="h"))
         aid = welcome.actor_id
+        assert isinstance(ask(sock, WorkRequest(actor_id=aid, version=0, max_groups=0)), (Wait, WorkGrant))
         coord.request_eval(0)
         # Half-updated weights (max_groups=0) get no evaluation work.
-        assert isinstance(ask(sock, WorkRequest(actor_id=aid, version=0, max_groups=0)), Wait)
-        training = ask(sock, WorkRequest(actor_id=aid, version=0, max_groups=4))
-        assert isinstance(training, WorkGrant) and len(training.groups) == 4
-        first = ask(sock, WorkRequest(actor_id=aid, version=0, max_groups=4))  # max_staleness 0: admission closed
-        assert isinstance(first, EvalGrant) and first.version == 0
-        coord.advance(1)
-        coord.broadcaster.publish(1, iter([("w", torch.full((4,), 7.0))]))
-        assert wait_for(lambda: coord.broadcaster.job() is not None)
+        assert not isinstance(ask(sock, WorkRequest(actor_id=aid, version=0, max_groups=0)), EvalGrant)
+        first = ask(sock, WorkRequest(actor_id=aid, version=0, max_groups=4))
         second = ask(sock, WorkRequest(actor_id=aid, version=0, max_groups=4))
-        assert isinstance(second, EvalGrant) and second.version == 0 and second.round == first.round
+        assert isinstance(first, EvalGrant) and isinstance(second, EvalGrant) and first.version == 0
         assert len(first.prompt_ids) + len(second.prompt_ids) == 3
-        assert isinstance(ask(sock, WorkRequest(actor_id=aid, version=0, max_groups=4)), SyncOrder)
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         push.connect(coord.experience_addr)
@@ -299,7 +289,7 @@ def test_evaluation_fills_the_wait_for_admission_and_comes_before_a_sync(tmp_pat
 
 def test_nothing_is_admitted_past_the_last_step(tmp_path):
     """Once the learner has made its last step, an actor gets no more training prompts
-    (the staleness bound would allow them), so a final evaluation is not kept waiting."""
+    (the staleness bound would allow them): nothing is generated that no step takes."""
     config = {"max_staleness": 1, "train": {"batch_groups": 4, "group_size": G, "max_steps": 1}}
     with running_coordinator(tmp_path, config) as (coord, ctx, _):
         sock = dealer(ctx, coord.hub_addr)
