@@ -32,8 +32,8 @@ from ..replay_buffer import ReplayBuffer, Taken
 from ..tasks.base import Task
 from ..tasks.reward_guard import REASONS
 from ..tracing import TraceWriter
-from ..transport import (EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone,
-                         SyncOrder, TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, claimed_group)
+from ..transport import (EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder,
+                         TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, claimed_group)
 from ..weight_sync import WeightBroadcaster
 from .actor_registry import ActorInfo, ActorRegistry
 from .hub import Hub
