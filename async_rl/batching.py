@@ -39,6 +39,10 @@ class Batch:
     def rows(self, start: int, stop: int) -> "Batch":
         return Batch(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
 
+    def take(self, index: torch.Tensor) -> "Batch":
+        """The rows at `index` (int64), in that order."""
+        return Batch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
     def to(self, device: torch.device) -> "Batch":
         return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 

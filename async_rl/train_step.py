@@ -104,11 +104,18 @@ class Prepared:
     values: torch.Tensor | None  # the critic's values the advantages came from
 
     def rows(self, start: int, stop: int) -> "Prepared":
-        def cut(x):
-            return None if x is None else x[start:stop]
+        return self._select(slice(start, stop))
 
-        return Prepared(self.batch.rows(start, stop), cut(self.advantages), cut(self.returns), cut(self.prox),
-                        cut(self.ref), cut(self.values))
+    def take(self, index: torch.Tensor) -> "Prepared":
+        return self._select(index)
+
+    def _select(self, index) -> "Prepared":
+        def cut(x):
+            return None if x is None else x[index]
+
+        return Prepared(self.batch.take(index) if isinstance(index, torch.Tensor) else self.batch.rows(
+            index.start, index.stop), cut(self.advantages), cut(self.returns), cut(self.prox), cut(self.ref),
+            cut(self.values))
 
 
 def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
@@ -173,11 +180,16 @@ def _units(cfg: Config, batch: Batch) -> Units:
 
 
 def _backward_micro(cfg: Config, models: Models, x: Prepared, layout: packing.Packed | None, minibatch: Units,
-                    metrics: StepMetrics, is_weights: list[torch.Tensor] | None) -> dict[str, float]:
+                    metrics: StepMetrics, is_weights: list[torch.Tensor] | None, padding: bool = False
+                    ) -> dict[str, float]:
     """Forward and backward one micro-batch's share of the minibatch loss and record its
     diagnostics; return its loss terms (this rank's shares). Appends the micro-batch's raw
-    importance weights (response tokens) to `is_weights` if given."""
+    importance weights (response tokens) to `is_weights` if given. A `padding` micro-batch
+    only keeps this rank's collectives in step with the other ranks': its loss is scaled
+    by 0, and its diagnostics and loss terms count as zeros."""
     t, b, world = cfg.train, x.batch, dist.get_world_size()
+    if padding:
+        metrics, is_weights = metrics.zeros_into(), None
     mask = b.loss_mask
     units = _units(cfg, b)
     share = Shares.of(units, minibatch)
@@ -201,17 +213,17 @@ def _backward_micro(cfg: Config, models: Models, x: Prepared, layout: packing.Pa
             terms["loss/kl"] = t.kl.coef * algorithms.aggregate(kl, mask, t.agg) * share.regularizer
     if t.entropy_coef > 0:
         terms["loss/entropy"] = -t.entropy_coef * algorithms.aggregate(entropy, mask, t.agg) * share.regularizer
-    loss = sum(terms.values())
+    loss = sum(terms.values()) * (0.0 if padding else 1.0)
     backward_share(loss, world)
     losses = {**{name: float(term.detach()) for name, term in terms.items()}, "loss/total": float(loss.detach())}
 
     if models.critic is not None:  # after the policy's backward: one model's activations alive at a time
         value_loss, critic_metrics = algorithms.value_loss(forward_values(models.critic, b), x.values, x.returns,
                                                            mask, clip=t.critic.value_clip)
-        backward_share(value_loss * share.value, world)
+        backward_share(value_loss * share.value * (0.0 if padding else 1.0), world)
         losses["loss/value"] = float(value_loss.detach()) * share.value
         metrics.update({key: Mean.of(value, units.tokens) for key, value in critic_metrics.items()})
-    return losses
+    return {key: 0.0 for key in losses} if padding else losses
 
 
 def _grad_norm(model, grad_clip: float) -> torch.Tensor:
@@ -252,6 +264,41 @@ def _optimizer_step(models: Models, grad_clip: float, losses: dict[str, float], 
     metrics.add("learner/skipped_steps", Count(0.0 if ok else 1.0 / world))
 
 
+def _skips_zero_advantage(cfg: Config, models: Models) -> bool:
+    """Whether a group whose advantages are all 0 adds nothing to the step's gradient: the
+    PPO loss is A times a function of the log-probs, and no other term reads the group."""
+    t = cfg.train
+    return (cfg.learner.skip_zero_advantage and t.loss == "ppo" and t.minibatches == 1 and t.entropy_coef == 0
+            and models.reference is None and models.critic is None)
+
+
+def _group_signal(x: Prepared, group_size: int) -> torch.Tensor:
+    """bool [groups]: whether the group has a nonzero advantage on a scored token."""
+    adv = x.advantages if x.advantages.dim() == 2 else x.advantages[:, None]
+    return ((adv != 0) & x.batch.loss_mask.bool()).any(-1).view(-1, group_size).any(-1)
+
+
+def _signal_first(x: Prepared, signal: torch.Tensor, group_size: int) -> tuple[Prepared, int]:
+    """x's rows with the groups that have a signal first (each part in admission order),
+    and how many rows those are."""
+    groups = torch.cat([signal.nonzero(), (~signal).nonzero()]).squeeze(-1)
+    rows = (groups[:, None] * group_size + torch.arange(group_size, device=groups.device)).reshape(-1)
+    return x.take(rows), int(signal.sum()) * group_size
+
+
+def _in_step_with_ranks(plan: list[list[Micro]], group_size: int, device) -> list[list[tuple[Micro, bool]]]:
+    """Each minibatch's micro-batches, padded so that every rank runs as many as the rank
+    with the most (FSDP's collectives run per forward and backward): (micro, is_padding).
+    A padding micro-batch is this rank's first group with its loss scaled by 0; a rank
+    with nothing to train still runs one, so the gradients exist (as zeros) and AdamW
+    steps as it would on a zero-gradient batch."""
+    counts = torch.tensor([max(1, len(micros)) for micros in plan], dtype=torch.int64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    return [[(m, False) for m in micros] + [((0, group_size), True)] * (int(n) - len(micros))
+            for micros, n in zip(plan, counts.tolist())]
+
+
 def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch.Tensor] | None = None
                ) -> dict[str, float]:
     """One learner step on this rank's rows (whole groups); returns global diagnostics.
@@ -260,17 +307,32 @@ def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch
     t = cfg.train
     models.policy.train()
     local = _with_overlong(cfg, local)
-    plan = micro_batch_plan(cfg, local)
-    layouts = _layouts(cfg, models.policy, local, [m for micros in plan for m in micros])
-    prepared = _prepare(cfg, models, local, layouts)
     # Each loss term is a mean over its whole minibatch on every rank: count the units first.
-    minibatch_units = algorithms.global_units([_units(cfg, local.rows(micros[0][0], micros[-1][1])) for micros in plan],
-                                              _all_reduce_sum, local.tokens.device)
-
+    per_mb = local.tokens.shape[0] // t.minibatches
+    minibatch_units = algorithms.global_units([_units(cfg, local.rows(k * per_mb, (k + 1) * per_mb))
+                                               for k in range(t.minibatches)], _all_reduce_sum, local.tokens.device)
+    if _skips_zero_advantage(cfg, models):  # advantages first: no forward is needed for them
+        prepared = _prepare(cfg, models, local, {})
+        signal = _group_signal(prepared, t.group_size)
+        prepared, signal_rows = _signal_first(prepared, signal, t.group_size)
+        plan = [micro_batch_plan(cfg, prepared.batch.rows(0, signal_rows))[0] if signal_rows else []]
+        layouts = _layouts(cfg, models.policy, prepared.batch, [m for micros in plan for m in micros])
+    else:
+        plan = micro_batch_plan(cfg, local)
+        layouts = _layouts(cfg, models.policy, local, [m for micros in plan for m in micros])
+        prepared = _prepare(cfg, models, local, layouts)
+        signal = _group_signal(prepared, t.group_size)
     metrics = StepMetrics()
-    for micros, units in zip(plan, minibatch_units):
+    metrics.add("train/zero_adv_group_frac", Mean(float((~signal).sum()), float(signal.numel())))
+
+    padded = _in_step_with_ranks(plan, t.group_size, local.tokens.device)
+    for m, _ in (m for micros in padded for m in micros):
+        if m not in layouts:  # a padding micro-batch's
+            layouts[m] = _layouts(cfg, models.policy, prepared.batch, [m])[m]
+    for micros, units in zip(padded, minibatch_units):
         losses: dict[str, float] = collections.Counter()
-        for m in micros:
-            losses.update(_backward_micro(cfg, models, prepared.rows(*m), layouts[m], units, metrics, is_weights))
+        for m, padding in micros:
+            losses.update(_backward_micro(cfg, models, prepared.rows(*m), layouts[m], units, metrics, is_weights,
+                                          padding))
         _optimizer_step(models, t.grad_clip, losses, metrics)
     return metrics.reduce(_all_reduce_sum, local.tokens.device)

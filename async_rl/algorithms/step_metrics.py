@@ -63,6 +63,11 @@ class StepMetrics:
         for key, figure in figures.items():
             self.add(key, figure)
 
+    def zeros_into(self) -> "StepMetrics":
+        """A sink whose every add reaches this one as a zero figure of the same key and
+        type: the work it records keeps the keys every rank must add, not its values."""
+        return _ZeroSink(self)
+
     def reduce(self, reduce_sum: ReduceSum, device: torch.device | str = "cpu") -> dict[str, float]:
         """{key: value} of the figures summed over ranks by `reduce_sum` (an all_reduce)."""
         keys = sorted(self._figures)
@@ -73,3 +78,12 @@ class StepMetrics:
             figure = self._figures[key]
             out[key] = type(figure)(*(next(sums) for _ in figure)).value()
         return out
+
+
+class _ZeroSink(StepMetrics):
+    def __init__(self, target: StepMetrics) -> None:
+        super().__init__()
+        self._target = target
+
+    def add(self, key: str, figure: Figure) -> None:
+        self._target.add(key, type(figure)(*([0.0] * len(figure))))

@@ -21,7 +21,7 @@ def run_step(tmp_path: Path, ranks: int, variant: str) -> dict[str, torch.Tensor
     return load_file(out)
 
 
-@pytest.mark.parametrize("variant", ["ppo", "opmd", "reinforce_pp", "gae"])
+@pytest.mark.parametrize("variant", ["ppo", "ppo-flat", "opmd", "reinforce_pp", "gae"])
 def test_two_rank_step_equals_single_process(tmp_path, variant):
     """Parameters after the step (policy and critic) and every diagnostic agree."""
     single = run_step(tmp_path, 1, variant)

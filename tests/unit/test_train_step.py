@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 EVERY_STEP = {"loss/policy", "loss/total", "learner/grad_norm", "learner/skipped_steps", "policy/entropy", "is/ess",
               "is/mismatch_kl", "is/clip_frac", "is/clip_frac_low", "is/clip_frac_high", "is/dual_clip_frac",
-              "is/capped_frac"}
+              "is/capped_frac", "train/zero_adv_group_frac"}
 PPO = {"is/weight_mean", "is/ratio_mean"}
 # name: (train section, keys beyond EVERY_STEP)
 VARIANTS = {
@@ -131,3 +131,51 @@ def test_bf16_fsdp2_step_on_cuda_packed_equals_padded(model_dir):
         assert (updates[True] - updates[False]).norm() / updates[False].norm() < 0.1
     finally:
         dist.destroy_process_group()
+
+
+def _flat_groups_batch(flat: list[int]):
+    """4 groups of 4 (random 0/1 rewards); the groups in `flat` all score 1."""
+    batch = build_batch(synthetic_groups(4, 4, seed=1), pad_id=0)
+    for g in flat:
+        batch.rewards[4 * g:4 * g + 4] = 1.0
+    return batch
+
+
+@pytest.mark.parametrize("flat", [[0, 2], [0, 1, 2, 3]])
+def test_groups_without_advantage_are_skipped_with_the_same_update(world, model_dir, monkeypatch, flat):
+    """learner.skip_zero_advantage leaves out the forward and backward of groups whose
+    rewards are all equal (GRPO advantage 0) and gives the same weights as training them,
+    over two AdamW steps (the second moves the weights by momentum even when no group
+    carries a gradient: a padding micro-batch keeps the gradients as zeros)."""
+    from async_rl import packing
+
+    weights, forwards = {}, {}
+    for skip in (False, True):
+        cfg = build_config({"train": {"batch_groups": 4, "group_size": 4},
+                            "learner": {"ranks": 1, "micro_batch_size": 4, "skip_zero_advantage": skip}})
+        torch.manual_seed(0)
+        policy = LlamaForCausalLM.from_pretrained(model_dir)
+        models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2))
+        train_step(cfg, models, _flat_groups_batch([]))
+        calls = []
+        packed_logits = packing.packed_logits
+        monkeypatch.setattr(packing, "packed_logits", lambda model, p: calls.append(1) or packed_logits(model, p))
+        stats = train_step(cfg, models, _flat_groups_batch(flat))
+        monkeypatch.setattr(packing, "packed_logits", packed_logits)
+        assert stats["train/zero_adv_group_frac"] == len(flat) / 4 and stats["learner/skipped_steps"] == 0
+        weights[skip] = torch.cat([p.detach().flatten() for p in policy.parameters()])
+        forwards[skip] = len(calls)
+    assert forwards == {False: 4, True: max(1, 4 - len(flat))}  # one micro-batch per group
+    torch.testing.assert_close(weights[True], weights[False], rtol=0, atol=1e-6)
+
+
+def test_skipping_is_off_where_a_flat_group_still_has_a_gradient(world, model_dir):
+    """An entropy bonus reads every token: no group is left out."""
+    cfg = build_config({"train": {"batch_groups": 4, "group_size": 4, "entropy_coef": 0.01},
+                        "learner": {"ranks": 1, "micro_batch_size": 4}})
+    policy = LlamaForCausalLM.from_pretrained(model_dir)
+    is_weights: list[torch.Tensor] = []
+    batch = _flat_groups_batch([0, 1])
+    stats = train_step(cfg, Models(policy, torch.optim.SGD(policy.parameters(), lr=0.1)), batch, is_weights)
+    assert stats["train/zero_adv_group_frac"] == 0.5
+    assert sum(w.numel() for w in is_weights) == int(batch.loss_mask.sum())  # every token was scored

@@ -21,6 +21,9 @@ from async_rl.transport import ExperienceGroup, Response
 # Named variants of the train section; each exercises a different cross-rank path.
 VARIANTS = {
     "ppo": {"loss": "ppo"},
+    # the second rank's groups all scored alike: it trains nothing and must still run as
+    # many forwards and backwards as the first rank (learner.skip_zero_advantage)
+    "ppo-flat": {"loss": "ppo"},
     "opmd": {"loss": "opmd", "opmd": {"length_norm": True}},
     # global whitening all-reduces its moments; KL in the reward needs the reference model
     "reinforce_pp": {"loss": "ppo", "advantage": "reinforce_pp", "minibatches": 2,
@@ -77,6 +80,9 @@ def main(out_path: str, variant: str, model_dir: str) -> None:
         models.critic = shard_model(ValueModel(model_dir), mesh)
         models.critic_optimizer = torch.optim.SGD(models.critic.parameters(), lr=1.0)
     groups = synthetic_groups(4, 4, seed=1) if rank == 0 else None
+    if groups is not None and variant == "ppo-flat":
+        for g in groups[2:]:  # with 2 ranks, rank 1's share
+            g.rewards[:] = g.rewards[0]
     local = scatter_batch(groups, 0, rank, world, cfg.train.minibatches, torch.device("cpu"))
     stats = train_step(cfg, models, local)
     params = {name: t.clone().contiguous() for name, t in full_parameters(models.policy)}
