@@ -8,6 +8,10 @@ Two savings that matter for real models, where a prompt (chat template, system t
 is often longer than its responses and response lengths vary widely:
 - each distinct prompt is prefilled once and its KV cache repeated for its `n`
   samples (`Cache.batch_repeat_interleave`), instead of prefilling `n` copies;
+- the tokens every prompt of a call starts with (a chat template's system turn) are
+  prefilled once for the call: the prompts' own tokens follow them, left-padded, so
+  the padding sits between the shared part and each prompt's rest, under a zero
+  attention mask, with positions that continue the shared part's;
 - rows that have stopped leave the batch (`Cache.batch_select_indices`) once they are
   a quarter of it, so the decode steps of the long responses do not carry them.
 Neither changes a sampled token or a log-prob: rows never interact.
@@ -50,6 +54,8 @@ class TorchEngine(GenerationEngine):
     A ready module is taken over, not copied: it is moved/cast in place, put in
     eval mode and frozen (so sync code can write into its parameters in place).
     """
+
+    MIN_SHARED_PREFIX = 8  # fewer shared tokens are not worth a forward of their own
 
     def __init__(
         self,
@@ -117,8 +123,11 @@ class TorchEngine(GenerationEngine):
     def _generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,
                   greedy: bool, generator: torch.Generator | None) -> list[list[Completion]]:
         dev = self.device
-        input_ids, mask = self._left_pad(prompts)
-        B, P = len(prompts) * n, input_ids.shape[1]
+        cache = self._new_cache()
+        shared = self._prefill_shared(prompts, cache)
+        input_ids, mask = self._left_pad([p[shared:] for p in prompts])
+        mask = torch.cat([torch.ones(len(prompts), shared, dtype=torch.long, device=dev), mask], dim=1)
+        B, P = len(prompts) * n, mask.shape[1]
         # Whole-run buffers, indexed by original row; the decode loop works on `rows`,
         # the original ids of the rows still generating.
         tokens = torch.full((B, max_new_tokens), self.pad_token_id, dtype=torch.long, device=dev)
@@ -131,9 +140,8 @@ class TorchEngine(GenerationEngine):
         full_mask[:, :P] = mask.repeat_interleave(n, dim=0)
         # Left padding shifts real tokens right; positions must still start at 0
         # for each row's first real token (pads get 0, they are masked anyway).
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, shared:]
         next_pos = (position_ids[:, -1:] + 1).repeat_interleave(n, dim=0)
-        cache = self._new_cache()
         logits = self._forward(input_ids, mask, position_ids, cache)  # one prefill per distinct prompt
         if n > 1:
             cache.batch_repeat_interleave(n)
@@ -181,6 +189,21 @@ class TorchEngine(GenerationEngine):
         return hit
 
     # ------------------------------------------------------------------ helpers
+
+    def _prefill_shared(self, prompts: list[list[int]], cache: object) -> int:
+        """Prefill the prompts' common first tokens once into `cache`, repeated for every
+        prompt; returns how many (0: nothing shared). Each prompt keeps at least one
+        token of its own, whose forward gives its first logits."""
+        if len(prompts) < 2:
+            return 0
+        shared = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
+        if shared < self.MIN_SHARED_PREFIX:
+            return 0
+        ids = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=self.device)
+        ones = torch.ones_like(ids)
+        self._forward(ids, ones, (ones.cumsum(-1) - 1), cache)
+        cache.batch_repeat_interleave(len(prompts))
+        return shared
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-pad the prompts into [len(prompts), longest] ids and attention mask."""

@@ -118,6 +118,32 @@ def test_logprobs_match_full_forward(engine: TorchEngine, temperature: float) ->
             torch.testing.assert_close(c.logprobs, ref, atol=1e-4, rtol=0)
 
 
+# A shared start of 9 tokens (as a chat template's system turn gives every prompt), ragged after it.
+SHARED = [5, 1, 7, 2, 9, 3, 11, 4, 13]
+SHARED_PROMPTS = [SHARED + [6], SHARED + [8, 10, 12, 14, 6], SHARED + [2, 2], SHARED]
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_shared_start_is_prefilled_once_with_the_same_results(engine: TorchEngine, monkeypatch, greedy) -> None:
+    """The prompts' common first tokens are prefilled once, with the padding between them
+    and each prompt's rest: the log-probs are those of a full forward over each prompt
+    alone, and greedy tokens do not change."""
+    forwards = []
+    real = engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda ids, *a: forwards.append(ids.shape) or real(ids, *a))
+    out = engine.generate(SHARED_PROMPTS, n=2, max_new_tokens=6, greedy=greedy,
+                          generator=torch.Generator().manual_seed(3))
+    assert forwards[0] == (1, 8)  # the shared part, less the shortest prompt's last token
+    assert forwards[1] == (4, 6)  # each prompt's rest, left-padded
+    for prompt, group in zip(SHARED_PROMPTS, out):
+        for c in group:
+            torch.testing.assert_close(c.logprobs, reference_logprobs(engine.model, prompt, c, 1.0), atol=1e-4, rtol=0)
+    if greedy:
+        monkeypatch.setattr(engine, "MIN_SHARED_PREFIX", 10 ** 6)
+        alone = engine.generate(SHARED_PROMPTS, n=2, max_new_tokens=6, greedy=True)
+        assert all(torch.equal(a.tokens, b.tokens) for ga, gb in zip(out, alone) for a, b in zip(ga, gb))
+
+
 def test_greedy_matches_argmax(engine: TorchEngine) -> None:
     a = engine.generate(PROMPTS, max_new_tokens=8, greedy=True)
     b = engine.generate(PROMPTS, max_new_tokens=8, greedy=True)
