@@ -88,6 +88,7 @@ class LearnerConfig(_Section):
     pack: bool = Field(True, description="Padding-free micro-batches: sequences laid end to end with per-sequence position_ids (block-diagonal causal attention), only response tokens scored; false = right-padded rows. Same results; ~1.8x faster steps when lengths vary (CPU, analysis/bench_learner.py). A model that fails the learner's one-time packed-vs-padded check trains padded, with a warning.")
     share_prompt: bool = Field(True, description="learner.pack: lay out each group as its prompt followed by its responses, with an attention mask that lets every response see the prompt and itself only: the prompt is computed once per group instead of group_size times, with the same log-probs and gradients (sdpa/eager attention; others pack without sharing, with a warning).")
     pack_row_tokens: int | None = Field(None, ge=1, description="learner.pack: packed row length (null = the micro-batch's longest sequence, so sdpa's masked attention never costs more than padded; flash-attention packs one row).")
+    skip_zero_advantage: bool = Field(True, description="Leave out of the forward and backward the groups whose every advantage is 0 (a GRPO group whose samples all scored the same), when nothing else in the loss reads them (train.loss=ppo, one minibatch, no KL reference, entropy bonus or critic): their policy gradient is exactly 0, and they still count in the loss normalization, so the update is the same. The share is logged as train/zero_adv_group_frac; loss and policy diagnostics then cover the groups trained.")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="FSDP2 mixed precision: bf16 = bf16 compute (params all-gathered in bf16), fp32 gradient reduction, fp32 master weights and optimizer state; log-softmax and losses always fp32. bf16 pays on a GPU and on a CPU with native bf16 matmuls (AVX-512 BF16, AMX): SmolLM2-135M steps 1.6x faster there (docs/performance.md); the actors' log-probs then differ from the learner's by bf16 rounding (is/mismatch_kl).")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in backward (non-reentrant torch.utils.checkpoint via transformers), trading ~1 extra forward for activation memory.")
     timeout_s: float = Field(600.0, gt=0.0, description="Timeout of learner collectives and of waiting for experience.")
@@ -169,6 +170,7 @@ class EvalConfig(_Section):
     max_new_tokens: int | None = Field(None, ge=1, description="Response length limit in evaluation (null = actors.max_new_tokens).")
     temperature: float = Field(0.0, ge=0.0, description="Evaluation sampling temperature; 0 = greedy.")
     pass_k: int = Field(1, ge=1, description="Samples per held-out prompt; > 1 (with temperature > 0) also logs eval/pass@k, the fraction of prompts with a correct sample.")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads of an actor while it evaluates (torch engine; null = actors.threads). With one actor the learner soon waits for an evaluation round, and its core can serve the round instead of idling.")
 
 
 class MetricsConfig(_Section):

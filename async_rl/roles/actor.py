@@ -315,6 +315,8 @@ def evaluate_chunk(engine, prompt_format, task, prompts: PromptIndex, cfg: Confi
     reward = reward if reward is not None else RewardGuard.for_task(task, cfg, logger=log)
     reward.take_counts()  # only this chunk's failures go into its result
     hook, engine.step_hook = getattr(engine, "step_hook", None), None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(e.threads or threads)
     try:
         rewards, lengths, truncated = score_prompts(
             engine, prompt_format, task, [prompts[i] for i in grant.prompt_ids], samples=e.pass_k,
@@ -322,6 +324,7 @@ def evaluate_chunk(engine, prompt_format, task, prompts: PromptIndex, cfg: Confi
             generator=generator, reward=reward)
     finally:
         engine.step_hook = hook
+        torch.set_num_threads(threads)
     return encode(EvalResult(actor_id=actor_id, round=grant.round, version=grant.version,
                              prompt_ids=list(grant.prompt_ids), rewards=rewards, response_lengths=lengths,
                              truncated=truncated, reward_errors=reward.take_counts()))
