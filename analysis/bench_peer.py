@@ -1,7 +1,9 @@
-"""Peer benchmark: TRL's GRPOTrainer against async-rl on the CPU demo, time to a target accuracy.
+"""Peer benchmark: TRL's GRPOTrainer against async-rl, time to a target held-out accuracy.
 
-    python analysis/bench_peer.py [--seeds 0 1 2] [--target 0.9] [--max-steps 1000] [--eval-every 50]
-                                  [--out runs/bench-peer] [--set key=value ...] [--systems trl async-rl]
+    python analysis/bench_peer.py [--config configs/demo.yaml] [--seeds 0 1 2] [--target 0.9]
+                                  [--max-steps 1000] [--eval-every 50] [--out runs/bench-peer]
+                                  [--set key=value ...] [--async-rl-set key=value ...]
+                                  [--trl-set key=value ...] [--systems trl async-rl]
                                   [--trl-threads 2] [--model DIR]
 
 Install TRL next to async-rl, keeping the CPU torch (an unpinned install may pull a
@@ -9,17 +11,19 @@ newer, CUDA torch):
 
     pip install -e ".[bench]" -c <(echo torch==$(python -c 'import torch; print(torch.__version__.split("+")[0])'))
 
-For each seed, both systems start from the same warm-started demo model (built once
-into OUT/seedS/base_model, as `async-rl train` builds it; --model DIR uses DIR instead)
-and run one after the other (the order alternates from seed to seed); each runs as a
-subprocess of this script, async-rl as `async-rl train configs/demo.yaml`, TRL as this
-script with --_trl-worker, one process with --trl-threads torch threads. Both train on
-the same prompts in the same order (task.train_prompt(0), (1), ...), score them with
-the task's own reward on the decoded completion without special tokens, and evaluate
-greedily on the first eval.size held-out prompts with the same code
-(async_rl.evaluation.score_prompts) every --eval-every steps and at step 0. A run stops
-at the first evaluation after step 0 that reaches --target (async-rl by SIGTERM, its
-checkpoint written after the measurement) or at --max-steps.
+For each seed, both systems start from the same model: --model DIR, else the config's
+model.path (configs/smollm2.yaml: the converted SmolLM2-135M-Instruct), else the demo
+model warm-started once into OUT/seedS/base_model as `async-rl train` builds it. They run
+one after the other (the order alternates from seed to seed), each as a subprocess of
+this script: async-rl as `async-rl train CONFIG`, TRL as analysis/peer_trl.py, one
+process with --trl-threads torch threads. Both train on the same prompts in the same
+order (task.train_prompt(0), (1), ...) rendered the same way (the chat template when the
+config uses one; peer_trl.py checks the token ids), score them with the task's own reward
+on the decoded completion without special tokens, and evaluate greedily on the first
+eval.size held-out prompts with the same code (async_rl.evaluation.score_prompts) every
+--eval-every steps and at step 0. A run stops at the first evaluation after step 0 that
+reaches --target (async-rl by SIGTERM, its checkpoint written after the measurement) or
+at --max-steps.
 
 Figures per system (one JSON line per seed on stdout; with several seeds a last line with
 the median, min and max over seeds; all also appended to OUT/results.jsonl; progress on stderr):
@@ -41,13 +45,15 @@ the median, min and max over seeds; all also appended to OUT/results.jsonl; prog
 Without the target reached, the *_to_target fields are null and samples/s and CPU/sample
 cover the steps run.
 
-Settings: TRL's are derived from the resolved async-rl config (configs/demo.yaml, the seed,
---set overrides, --max-steps, --eval-every), so `--set train.batch_groups=8` shrinks both:
-64 prompts x 8 samples per step (per_device_train_batch_size = 512, num_generations = 8, one
-optimizer step per batch), max 4 new tokens, temperature 1, top_p 1 and no top-k, AdamW
-(betas 0.9/0.999, eps 1e-8, no weight decay), lr 5e-4 with cosine decay to 0.1 x lr over
-max_steps and no warmup, grad-norm clip 1, fp32, no KL (beta 0), PPO clip 0.2/0.2,
-loss averaged over all tokens of the batch, advantages (r - mean) / std per group.
+Settings: TRL's are derived from the resolved async-rl config (CONFIG, the seed, --set and
+then --trl-set overrides, --max-steps, --eval-every; peer_trl.trl_settings), so
+`--set train.batch_groups=8` shrinks both, and --async-rl-set changes async-rl's alone.
+configs/demo.yaml gives 64 prompts x 8 samples per step (per_device_train_batch_size =
+512, num_generations = 8, one optimizer step per batch), max 4 new tokens, temperature 1,
+top_p 1 and no top-k, AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), lr 5e-4 with
+cosine decay to 0.1 x lr over max_steps and no warmup, grad-norm clip 1, fp32, no KL
+(beta 0), PPO clip 0.2/0.2, loss averaged over all tokens of the batch, advantages
+(r - mean) / std per group.
 Differences that remain:
   - async-rl is asynchronous (the demo's max_staleness): its samples may come from weights
     up to that many steps old, weighted by decoupled PPO's capped importance weight. TRL generates each
@@ -55,13 +61,12 @@ Differences that remain:
   - GRPO's std epsilon: TRL divides by std + 1e-4, async-rl by std + 1e-6 (both unbiased
     std; with 0/1 rewards a group's nonzero std is >= 0.35, so advantages differ < 0.03%).
   - Warmup, when set: TRL's is step/warmup, async-rl's (step+1)/warmup (the demo has none).
-  - Layout: async-rl runs the demo's learner ranks (auto: 1 on CPU) and 1 actor, 1 thread
-    each; TRL one process of --trl-threads threads that generates, then trains.
+  - Layout: async-rl runs the config's learner ranks and actors (both configs: 1 and 1,
+    1 thread each); TRL one process of --trl-threads threads that generates, then trains.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import resource
@@ -81,21 +86,32 @@ SYSTEMS = ("trl", "async-rl")
 from async_rl.run_dir import RunDir  # noqa: E402  (after the path above)
 
 
-def load_run_config(args, seed: int, model: Path | None = None):
+def load_run_config(config: Path, seed: int, sets: list[str], max_steps: int, eval_every: int,
+                    model: Path | None = None):
     from async_rl.config import load_config
 
-    overrides = [f"seed={seed}", *args.set, f"train.max_steps={args.max_steps}", f"eval.every={args.eval_every}"]
-    return load_config(CONFIG, overrides + ([f"model.path={model}"] if model else []))
+    overrides = [f"seed={seed}", *sets, f"train.max_steps={max_steps}", f"eval.every={eval_every}"]
+    return load_config(config, overrides + ([f"model.path={model}"] if model else []))
+
+
+def run_config(args, seed: int, system: str, model: Path | None = None):
+    """The resolved config one system runs: --set for both, then --trl-set or --async-rl-set."""
+    extra = args.trl_set if system == "trl" else args.async_rl_set
+    return load_run_config(args.config, seed, [*args.set, *extra], args.max_steps, args.eval_every, model)
 
 
 def base_model(args, seed: int) -> Path:
-    """The demo model warm-started exactly as `async-rl train` does (launcher.prepare_run_dir)."""
+    """--model, else the config's model.path, else (`path: demo`) the demo model warm-started
+    exactly as `async-rl train` does (launcher.prepare_run_dir)."""
     if args.model:
         return args.model.resolve()
+    cfg = run_config(args, seed, "async-rl")
+    if cfg.model.path != "demo":
+        return Path(cfg.model.path).resolve()  # as `async-rl train` reads it: from the working directory
     from async_rl.launcher import ensure_demo_model
 
     say(f"seed {seed}: the demo base model in {args.out / f'seed{seed}' / 'base_model'}")
-    return ensure_demo_model(load_run_config(args, seed), (args.out / f"seed{seed}" / "base_model").resolve())
+    return ensure_demo_model(cfg, (args.out / f"seed{seed}" / "base_model").resolve())
 
 
 def say(message: str) -> None:
@@ -153,12 +169,13 @@ def figures(evals: list[dict], last_step: int, last_time: float, first_step_s: f
 
 
 def run_async_rl(args, seed: int, model: Path) -> dict:
-    cfg = load_run_config(args, seed, model)
+    cfg = run_config(args, seed, "async-rl", model)
     run_dir = (args.out / f"seed{seed}" / "async-rl").resolve()
     shutil.rmtree(run_dir, ignore_errors=True)  # the launcher refuses a directory that holds a run
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(CONFIG), f"run_dir={run_dir}", f"model.path={model}",
-           f"seed={seed}", *args.set, f"train.max_steps={args.max_steps}", f"eval.every={args.eval_every}"]
+    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(args.config), f"run_dir={run_dir}", f"model.path={model}",
+           f"seed={seed}", *args.set, *args.async_rl_set, f"train.max_steps={args.max_steps}",
+           f"eval.every={args.eval_every}"]
     code, cpu_s = run_measured("async-rl", cmd, run_dir, run_dir.parent / "async-rl.log", args.target, True)
     steps, evals = RunDir(run_dir).steps_and_evals()
     if code not in (0, 143) or not steps:
@@ -173,10 +190,10 @@ def run_trl(args, seed: int, model: Path) -> dict:
     run_dir = (args.out / f"seed{seed}" / "trl").resolve()
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--_trl-worker", "--seeds", str(seed), "--model", str(model),
-           "--out", str(run_dir), "--target", str(args.target), "--max-steps", str(args.max_steps),
-           "--eval-every", str(args.eval_every), "--trl-threads", str(args.trl_threads),
-           *[f"--set={s}" for s in args.set]]
+    cmd = [sys.executable, str(ROOT / "analysis/peer_trl.py"), "--config", str(args.config), "--seed", str(seed),
+           "--model", str(model), "--out", str(run_dir), "--target", str(args.target),
+           "--max-steps", str(args.max_steps), "--eval-every", str(args.eval_every), "--threads", str(args.trl_threads),
+           *[f"--set={s}" for s in [*args.set, *args.trl_set]]]
     code, cpu_s = run_measured("trl", cmd, run_dir, run_dir.parent / "trl.log", args.target, False)
     if code != 0 or not (run_dir / "result.json").exists():
         raise SystemExit(f"TRL failed (exit {code}); see {run_dir.parent / 'trl.log'}")
@@ -186,143 +203,6 @@ def run_trl(args, seed: int, model: Path) -> dict:
                       worker["samples_per_step"], args.target),
             "eval_s_subtracted": round(worker["eval_s"], 2), "trl_version": worker["trl_version"],
             "run_dir": str(run_dir)}
-
-
-# -- the TRL side, in its own process ------------------------------------------------
-def trl_settings(cfg, output_dir: Path) -> dict:
-    """GRPOConfig arguments equal to the async-rl run config's settings (see the docstring)."""
-    t = cfg.train
-    if (t.loss != "ppo" or t.advantage not in ("grpo", "drgrpo") or t.minibatches != 1 or t.entropy_coef
-            or t.overlong.penalty_tokens or (t.kl.coef and (t.kl.estimator, t.kl.mode) != ("k3", "loss"))):
-        raise SystemExit("bench_peer: TRL's GRPO is matched for train.loss=ppo, advantage grpo|drgrpo, "
-                         "minibatches 1, no entropy bonus or overlong penalty, KL k3 in the loss only")
-    # async-rl's token-mean divides the summed token losses by the response tokens of the
-    # whole (global) batch; TRL's "dapo" divides by num_items_in_batch, the active tokens of
-    # the whole generation batch, which is the same batch here (one process, one optimizer
-    # step per generation batch). "bnpo" would also match here, but only per micro-batch.
-    loss_types = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
-    if t.agg not in loss_types:
-        raise SystemExit(f"bench_peer: train.agg={t.agg} has no TRL loss_type")
-    if t.lr_schedule == "cosine":  # ours: min_ratio + (1 - min_ratio) * cosine, as HF's cosine_with_min_lr
-        schedule = {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": t.lr_min_ratio}}
-    elif t.lr_schedule == "linear" and t.lr_min_ratio == 0.0:
-        schedule = {"lr_scheduler_type": "linear"}
-    elif t.lr_schedule == "constant":
-        schedule = {"lr_scheduler_type": "constant_with_warmup" if t.warmup_steps else "constant"}
-    else:
-        raise SystemExit("bench_peer: train.lr_schedule=linear decays to 0 in TRL; set train.lr_min_ratio=0")
-    samples = t.batch_groups * t.group_size
-    return dict(
-        output_dir=str(output_dir), seed=cfg.seed, max_steps=t.max_steps, **schedule,
-        per_device_train_batch_size=samples, num_generations=t.group_size, gradient_accumulation_steps=1,
-        num_iterations=1, shuffle_dataset=False,  # prompts in index order, as async-rl's coordinator grants them
-        max_completion_length=cfg.actors.max_new_tokens, temperature=cfg.actors.temperature,
-        top_p=cfg.actors.top_p, top_k=0,
-        learning_rate=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, optim="adamw_torch",
-        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=t.grad_clip,  # torch AdamW defaults, ours
-        beta=t.kl.coef, epsilon=t.ppo.eps_low, epsilon_high=t.ppo.eps_high, loss_type=loss_types[t.agg],
-        # "group": (r - mean) / (std + 1e-4) per prompt group, unbiased std, as group_advantages' grpo.
-        scale_rewards="group" if t.advantage == "grpo" else "none",
-        mask_truncated_completions=cfg.train.overlong.filter,
-        bf16=False, gradient_checkpointing=False,  # TRL defaults both to True; async-rl: fp32, no checkpointing
-        use_cpu=cfg.model.device == "cpu", report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
-    )
-
-
-def trl_worker(args) -> int:
-    import torch
-
-    torch.set_num_threads(args.trl_threads)
-    import numpy as np
-    import trl
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from async_rl.engines.torch_engine import TorchEngine
-    from async_rl.evaluation import score_prompts, summarize
-    from async_rl.prompting import stop_token_ids
-    from async_rl.runtime import make_prompt_format, make_task_from_config
-
-    seed, run_dir = args.seeds[0], args.out
-    cfg = load_run_config(args, seed, args.model)
-    task, prompt_format = make_task_from_config(cfg), make_prompt_format(cfg)
-    assert not prompt_format.uses_chat, "bench_peer passes TRL plain-text prompts"
-    prompts = [task.train_prompt(i) for i in range(cfg.train.max_steps * cfg.train.batch_groups)]
-    dataset = Dataset.from_dict({"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]})
-
-    # TRL tokenizes a text prompt with the tokenizer's special tokens (<bos> prompt), as
-    # async-rl's PromptFormat.encode does without a chat template, and decodes completions
-    # up to and with the first EOS with skip_special_tokens=True, as response_text does.
-    def task_reward(prompts, completions, answer, **_):
-        return [task.reward(p, c, a) for p, c, a in zip(prompts, completions, answer)]
-
-    eval_prompts = task.eval_prompts()[:cfg.eval.size]
-    stops = stop_token_ids(args.model, prompt_format.tokenizer)
-    e = cfg.eval
-
-    def held_out_accuracy(model) -> float:
-        """An actor's evaluation round, on a copy of the model (TorchEngine freezes what it gets)."""
-        engine = TorchEngine(copy.deepcopy(model), device=model.device, eos_token_id=stops)
-        generator = torch.Generator().manual_seed(cfg.seed)
-        parts = [score_prompts(engine, prompt_format, task, eval_prompts[i:i + e.batch_size], samples=e.pass_k,
-                               max_new_tokens=e.max_new_tokens or cfg.actors.max_new_tokens,
-                               temperature=e.temperature, generator=generator)
-                 for i in range(0, len(eval_prompts), e.batch_size)]
-        return summarize(*(np.concatenate([p[k] for p in parts]) for k in range(3)))["eval/accuracy"]
-
-    metrics = open(RunDir(run_dir).metrics_path, "a", buffering=1)  # read back as an async-rl run's
-
-    class HeldOutEval(TrainerCallback):
-        """Evaluates at step 0 and every eval.every steps, keeps the training clock without
-        the evaluations, and stops training at the target."""
-        started: float | None = None
-        eval_s = 0.0
-        last_step, last_time, first_step_s = 0, 0.0, None
-
-        def train_seconds(self) -> float:
-            return time.perf_counter() - self.started - self.eval_s
-
-        def evaluate(self, model, step: int, train_s: float) -> float:
-            t0 = time.perf_counter()
-            accuracy = held_out_accuracy(model)
-            seconds = time.perf_counter() - t0
-            self.eval_s += seconds
-            metrics.write(json.dumps({"step": step, "time": round(train_s, 3), "eval/accuracy": accuracy,
-                                      "eval/seconds": round(seconds, 3)}) + "\n")
-            return accuracy
-
-        def on_train_begin(self, args_, state, control, model=None, **kwargs):
-            self.evaluate(model, 0, 0.0)
-
-        def on_step_begin(self, args_, state, control, **kwargs):
-            if self.started is None:
-                self.started, self.eval_s = time.perf_counter(), 0.0
-
-        def on_step_end(self, args_, state, control, model=None, **kwargs):
-            step = self.last_step = state.global_step
-            self.last_time = self.train_seconds()
-            if step == 1:
-                self.first_step_s = self.last_time
-            if (e.every and step % e.every == 0) or step == cfg.train.max_steps:
-                if self.evaluate(model, step, self.last_time) >= args.target:
-                    control.should_training_stop = True
-
-        def on_log(self, args_, state, control, logs=None, **kwargs):
-            metrics.write(json.dumps({"step": state.global_step, **(logs or {})}) + "\n")
-
-    clock = HeldOutEval()
-    model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=GRPOConfig(**trl_settings(cfg, run_dir)),
-                          train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(str(args.model)),
-                          callbacks=[clock])
-    trainer.train()
-    metrics.close()
-    (run_dir / "result.json").write_text(json.dumps({
-        "last_step": clock.last_step, "last_time": clock.last_time, "first_step_s": clock.first_step_s,
-        "eval_s": clock.eval_s,
-        "samples_per_step": cfg.train.batch_groups * cfg.train.group_size, "trl_version": trl.__version__}))
-    return 0
 
 
 # -- driver --------------------------------------------------------------------------
@@ -351,7 +231,8 @@ def run_pairs(args) -> list[dict]:
             say(f"seed {seed}: {system} done: {json.dumps(result[system])}")
         times = [result.get(s, {}).get("time_to_target_s") for s in SYSTEMS]
         line = {"seed": seed, "target": args.target, "max_steps": args.max_steps, "eval_every": args.eval_every,
-                "set": args.set, "trl": result.get("trl"), "async_rl": result.get("async-rl"),
+                "config": str(args.config), "set": args.set, "async_rl_set": args.async_rl_set,
+                "trl_set": args.trl_set, "trl": result.get("trl"), "async_rl": result.get("async-rl"),
                 "ratio_trl_over_async_rl": round(times[0] / times[1], 3) if all(times) else None}
         emit(args, line)
         pairs.append(line)
@@ -365,16 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=1000, help="train.max_steps: the lr schedule's length and a cap")
     parser.add_argument("--eval-every", type=int, default=50, help="evaluate every this many steps (and at step 0)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-peer"), help="output directory")
+    parser.add_argument("--config", type=Path, default=CONFIG, help="the async-rl config both are set up from")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="async-rl config override (repeatable); TRL follows the settings it maps")
+                        help="config override for both systems (repeatable); TRL follows the settings it maps")
+    parser.add_argument("--async-rl-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for async-rl only, after --set (its best settings)")
+    parser.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for TRL only, after --set")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems to run")
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
     parser.add_argument("--model", type=Path, default=None,
                         help="HF model directory both start from (default: the demo model built per seed)")
-    parser.add_argument("--_trl-worker", dest="trl_worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.trl_worker:
-        return trl_worker(args)
 
     args.out.mkdir(parents=True, exist_ok=True)
     try:
