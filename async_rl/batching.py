@@ -39,8 +39,8 @@ class Batch:
     def rows(self, start: int, stop: int) -> "Batch":
         return Batch(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
 
-    def take(self, index: torch.Tensor) -> "Batch":
-        """The rows at `index` (int64), in that order."""
+    def take(self, index: torch.Tensor | slice) -> "Batch":
+        """The rows at `index` (int64 row numbers, in that order, or a slice)."""
         return Batch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
     def to(self, device: torch.device) -> "Batch":

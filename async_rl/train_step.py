@@ -104,18 +104,14 @@ class Prepared:
     values: torch.Tensor | None  # the critic's values the advantages came from
 
     def rows(self, start: int, stop: int) -> "Prepared":
-        return self._select(slice(start, stop))
+        return self.take(slice(start, stop))
 
-    def take(self, index: torch.Tensor) -> "Prepared":
-        return self._select(index)
-
-    def _select(self, index) -> "Prepared":
+    def take(self, index: torch.Tensor | slice) -> "Prepared":
         def cut(x):
             return None if x is None else x[index]
 
-        return Prepared(self.batch.take(index) if isinstance(index, torch.Tensor) else self.batch.rows(
-            index.start, index.stop), cut(self.advantages), cut(self.returns), cut(self.prox), cut(self.ref),
-            cut(self.values))
+        return Prepared(self.batch.take(index), cut(self.advantages), cut(self.returns), cut(self.prox), cut(self.ref),
+                        cut(self.values))
 
 
 def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
