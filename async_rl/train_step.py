@@ -285,14 +285,20 @@ def _signal_first(x: Prepared, signal: torch.Tensor, group_size: int) -> tuple[P
 def _in_step_with_ranks(plan: list[list[Micro]], group_size: int, device) -> list[list[tuple[Micro, bool]]]:
     """Each minibatch's micro-batches, padded so that every rank runs as many as the rank
     with the most (FSDP's collectives run per forward and backward): (micro, is_padding).
-    A padding micro-batch is this rank's first group with its loss scaled by 0; a rank
-    with nothing to train still runs one, so the gradients exist (as zeros) and AdamW
-    steps as it would on a zero-gradient batch."""
-    counts = torch.tensor([max(1, len(micros)) for micros in plan], dtype=torch.int64, device=device)
+    A padding micro-batch is this rank's first group with its loss scaled by 0."""
+    counts = torch.tensor([len(micros) for micros in plan], dtype=torch.int64, device=device)
     if dist.get_world_size() > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     return [[(m, False) for m in micros] + [((0, group_size), True)] * (int(n) - len(micros))
             for micros, n in zip(plan, counts.tolist())]
+
+
+def _any_signal(signal: torch.Tensor) -> bool:
+    """Whether some group on some rank has a gradient (one all-reduce with several ranks)."""
+    count = signal.sum().to(torch.int64).reshape(1)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(count)
+    return bool(count.item() > 0)
 
 
 def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch.Tensor] | None = None
@@ -307,17 +313,24 @@ def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch
     per_mb = local.tokens.shape[0] // t.minibatches
     minibatch_units = algorithms.global_units([_units(cfg, local.rows(k * per_mb, (k + 1) * per_mb))
                                                for k in range(t.minibatches)], _all_reduce_sum, local.tokens.device)
-    if _skips_zero_advantage(cfg, models):  # advantages first: no forward is needed for them
+    prepared = None
+    skip = _skips_zero_advantage(cfg, models)
+    if skip:  # advantages first: no forward is needed for them
         prepared = _prepare(cfg, models, local, {})
         signal = _group_signal(prepared, t.group_size)
+        # A step without any gradient trains every group as before: AdamW still steps on
+        # the zero gradients, and the diagnostics still describe the batch.
+        skip = _any_signal(signal)
+    if skip:
         prepared, signal_rows = _signal_first(prepared, signal, t.group_size)
         plan = [micro_batch_plan(cfg, prepared.batch.rows(0, signal_rows))[0] if signal_rows else []]
         layouts = _layouts(cfg, models.policy, prepared.batch, [m for micros in plan for m in micros])
     else:
         plan = micro_batch_plan(cfg, local)
         layouts = _layouts(cfg, models.policy, local, [m for micros in plan for m in micros])
-        prepared = _prepare(cfg, models, local, layouts)
-        signal = _group_signal(prepared, t.group_size)
+        if prepared is None:
+            prepared = _prepare(cfg, models, local, layouts)
+            signal = _group_signal(prepared, t.group_size)
     metrics = StepMetrics()
     metrics.add("train/zero_adv_group_frac", Mean(float((~signal).sum()), float(signal.numel())))
 
