@@ -313,24 +313,20 @@ def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch
     per_mb = local.tokens.shape[0] // t.minibatches
     minibatch_units = algorithms.global_units([_units(cfg, local.rows(k * per_mb, (k + 1) * per_mb))
                                                for k in range(t.minibatches)], _all_reduce_sum, local.tokens.device)
-    prepared = None
-    skip = _skips_zero_advantage(cfg, models)
-    if skip:  # advantages first: no forward is needed for them
+    if _skips_zero_advantage(cfg, models):  # advantages first: no forward is needed for them
         prepared = _prepare(cfg, models, local, {})
         signal = _group_signal(prepared, t.group_size)
-        # A step without any gradient trains every group as before: AdamW still steps on
-        # the zero gradients, and the diagnostics still describe the batch.
-        skip = _any_signal(signal)
-    if skip:
-        prepared, signal_rows = _signal_first(prepared, signal, t.group_size)
-        plan = [micro_batch_plan(cfg, prepared.batch.rows(0, signal_rows))[0] if signal_rows else []]
+        if _any_signal(signal):
+            prepared, signal_rows = _signal_first(prepared, signal, t.group_size)
+            plan = [micro_batch_plan(cfg, prepared.batch.rows(0, signal_rows))[0] if signal_rows else []]
+        else:  # one group per rank, of loss 0: AdamW steps on zero gradients, and diagnostics are real
+            plan = [[(0, t.group_size)]]
         layouts = _layouts(cfg, models.policy, prepared.batch, [m for micros in plan for m in micros])
     else:
         plan = micro_batch_plan(cfg, local)
         layouts = _layouts(cfg, models.policy, local, [m for micros in plan for m in micros])
-        if prepared is None:
-            prepared = _prepare(cfg, models, local, layouts)
-            signal = _group_signal(prepared, t.group_size)
+        prepared = _prepare(cfg, models, local, layouts)
+        signal = _group_signal(prepared, t.group_size)
     metrics = StepMetrics()
     metrics.add("train/zero_adv_group_frac", Mean(float((~signal).sum()), float(signal.numel())))
 
