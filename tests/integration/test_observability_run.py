@@ -57,8 +57,11 @@ def test_a_run_writes_histograms_texts_and_the_layout_to_tensorboard(run):
         assert by_tag["staleness/per_sample"].sum == sum(k * v for k, v in counts.items())
         assert by_tag["train/reward"].num == 32
         assert by_tag["train/response_len"].sum == pytest.approx(32 * line["train/response_len_mean"])
-        # One learner rank holds every response token: one weight per token.
-        assert by_tag["is/weight"].num == by_tag["train/response_len"].sum
+        # One learner rank holds every response token: one weight per token it trained,
+        # all of them unless groups without a gradient were left out.
+        trained_all = line["train/zero_adv_group_frac"] == 0
+        assert 0 < by_tag["is/weight"].num <= by_tag["train/response_len"].sum
+        assert trained_all <= (by_tag["is/weight"].num == by_tag["train/response_len"].sum)
         assert by_tag["is/weight"].min > 0
         # The jsonl lines keep their flat scalar keys only.
         assert set(STEP_KEYS) <= line.keys() and not set(HISTOGRAM_TAGS) & line.keys()
