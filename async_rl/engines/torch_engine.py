@@ -12,9 +12,11 @@ is often longer than its responses and response lengths vary widely:
   prefilled once for the call: the prompts' own tokens follow them, left-padded, so
   the padding sits between the shared part and each prompt's rest, under a zero
   attention mask, with positions that continue the shared part's;
+- the KV cache keeps room for the responses (engines/kv_cache.py), so a decoding step
+  writes its keys and values in place instead of copying every layer's cache;
 - rows that have stopped leave the batch (`Cache.batch_select_indices`) once they are
   a quarter of it, so the decode steps of the long responses do not carry them.
-Neither changes a sampled token or a log-prob: rows never interact.
+None changes a sampled token or a log-prob: rows never interact.
 """
 
 from __future__ import annotations
@@ -46,6 +48,27 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float) -> to
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
     return logp
+
+
+def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one index per row of `probs` [B, V] (rows summing to 1) by inverse transform
+    sampling (Devroye, Non-Uniform Random Variate Generation, 1986, sec. 2.1): the first
+    index whose float64 cumulative mass exceeds u * total, u ~ U[0, 1).
+
+    Exact up to float64 rounding, like torch.multinomial, which on a CPU draws an
+    exponential variate per vocabulary entry: for a small model's 49k-token vocabulary
+    that costs more per decoding step than a cumulative sum.
+    """
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    # A CPU generator with a CUDA engine: draw where the generator lives. By type:
+    # torch.Generator(device="cuda") reports "cuda", the logits "cuda:0".
+    where = generator.device if generator is not None else probs.device
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=where).to(probs.device)
+    total = cdf[:, -1:]
+    tok = torch.searchsorted(cdf, u * total, right=True)
+    # u * total may round up to total: then the last index with mass, never a zero-mass one.
+    last = torch.searchsorted(cdf, total)
+    return torch.minimum(tok, last).squeeze(-1)
 
 
 class TorchEngine(GenerationEngine):
@@ -146,6 +169,7 @@ class TorchEngine(GenerationEngine):
         if n > 1:
             cache.batch_repeat_interleave(n)
             logits = logits.repeat_interleave(n, dim=0)
+        cache.reserve(max_new_tokens)  # decoding steps write in place from here
         rows = torch.arange(B, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # per current row
 
@@ -216,10 +240,10 @@ class TorchEngine(GenerationEngine):
         return ids.to(self.device), mask.to(self.device)
 
     def _new_cache(self) -> object:
-        from transformers import DynamicCache
+        from async_rl.engines.kv_cache import ReservingCache  # imports transformers
 
         # With the config the cache knows each layer's kind (full or sliding window).
-        return DynamicCache(config=getattr(self.model, "config", None))
+        return ReservingCache(config=getattr(self.model, "config", None))
 
     def _forward(
         self,
@@ -256,14 +280,7 @@ class TorchEngine(GenerationEngine):
             tok = logp.argmax(dim=-1)
         else:
             logp = process_logits(logits, temperature, top_p)
-            probs = logp.exp()
-            # A CPU generator with a CUDA engine: draw where the generator lives. By type:
-            # torch.Generator(device="cuda") reports "cuda", the logits "cuda:0".
-            if generator is not None and generator.device.type != probs.device.type:
-                tok = torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)
-            else:
-                tok = torch.multinomial(probs, 1, generator=generator)
-            tok = tok.squeeze(-1)
+            tok = sample_rows(logp.exp(), generator)
         return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
     @staticmethod

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from async_rl.engines import Completion, GenerationEngine, make_engine
-from async_rl.engines.torch_engine import TorchEngine
+from async_rl.engines.torch_engine import TorchEngine, sample_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -235,6 +235,25 @@ def test_versions(engine: TorchEngine) -> None:
     finally:
         del engine._between_steps
         engine.set_version(0)
+
+
+def test_sample_rows_draws_the_given_distribution() -> None:
+    """Inverse transform sampling: frequencies match each row's probabilities (within 4
+    standard errors over 40k draws), zero-mass indices, first and last, never come out."""
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_rows(probs, generator) for _ in range(20_000)])  # [draws, 2]
+    counts = torch.bincount(draws[:, 0], minlength=6).double() / len(draws)
+    stderr = (probs[0].double() * (1 - probs[0].double()) / len(draws)).sqrt()
+    assert torch.all((counts - probs[0].double()).abs() <= 4 * stderr + 1e-12)
+    assert counts[[0, 2, 5]].sum() == 0
+    assert torch.all(draws[:, 1] == 4)
+
+
+def test_sample_rows_never_passes_the_last_index_with_mass(monkeypatch) -> None:
+    """u * total rounding up to total still lands on a token with mass (u = 1 forced)."""
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, 1, dtype=torch.float64))
+    assert sample_rows(torch.tensor([[0.25, 0.75, 0.0, 0.0]]), None).tolist() == [1]
 
 
 def test_seeded_generator_is_reproducible(engine: TorchEngine) -> None:
