@@ -9,6 +9,7 @@ and `--resume` falls back to the newest intact one.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .checkpoint_integrity import CheckpointError, check_partition, complete_checkpoints, write_manifest
@@ -51,7 +53,14 @@ def save_checkpoint(path: Path, parts: Parts, state: dict | None,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_sharded_state(parts), checkpoint_id=str(tmp))
+    state_dicts = _sharded_state(parts)
+    try:
+        with _one_line_errors(path, state_dicts):
+            dcp.save(state_dicts, checkpoint_id=str(tmp))
+    except CheckpointError:
+        if dist.get_rank() == 0:  # never resumed from; its room may be what the run's status needs
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     dist.barrier()
     error = None
     if dist.get_rank() == 0:
@@ -67,6 +76,39 @@ def save_checkpoint(path: Path, parts: Parts, state: dict | None,
         raise error
     if outcome[0] is not None:
         raise CheckpointError(f"{path.name} not committed: rank 0 failed ({outcome[0]})")
+
+
+@contextlib.contextmanager
+def _one_line_errors(path: Path, state: dict):
+    """DCP reports a failed save or load as a CheckpointException: a BaseException (an
+    `except Exception` misses it) whose text is every rank's traceback. Re-raise it as a
+    CheckpointError naming the checkpoint, the first failure and, when the file system
+    holding it has less room left than the checkpoint's tensors, that (torch's writer
+    reports a full disk as an "unexpected pos" RuntimeError)."""
+    try:
+        yield
+    except CheckpointException as err:
+        failures = [exc for exc, _ in err.failures.values()] or [err]
+        first = failures[0]
+        text = str(first).splitlines()[0] if str(first) else ""
+        reason = f"checkpoint {path}: {type(first).__name__}: {text}"
+        needed = _tensor_bytes(state)
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(path.parent).free
+            if free < needed:
+                reason += f" (its file system has {free / 2**20:.1f} MiB free, the checkpoint needs about " \
+                          f"{needed / 2**20:.1f} MiB)"
+        raise CheckpointError(reason) from None
+
+
+def _tensor_bytes(state) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in state)
+    return 0
 
 
 def _commit(tmp: Path, path: Path, state: dict | None, write_extra: Callable[[Path], None] | None,
@@ -113,7 +155,8 @@ def load_checkpoint(path: Path, parts: Parts) -> dict:
     if type(saved) is not dict:
         raise CheckpointError(f"{path.name}/{STATE_FILE}: not a JSON object")
     state = _sharded_state(parts)
-    dcp.load(state, checkpoint_id=str(path))
+    with _one_line_errors(path, {}):
+        dcp.load(state, checkpoint_id=str(path))
     for name, (model, optimizer) in parts.items():
         set_state_dict(model, optimizer, model_state_dict=state[name], optim_state_dict=state[f"{name}_optim"])
     return saved

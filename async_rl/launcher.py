@@ -14,6 +14,7 @@ error, 1 when the learner failed.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -30,7 +31,8 @@ from .checkpoint_integrity import latest_intact_checkpoint
 from .config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
 from .run_lock import RunLock
 from .run_dir import RunDir
-from .runtime import LAUNCHER_ENV, child_of, make_prompt_format, make_task_from_config, resolve_device
+from .runtime import (LAUNCHER_ENV, child_of, make_prompt_format, make_task_from_config, resolve_device,
+                      write_status)
 
 log = logging.getLogger("async_rl.launch")
 GRACE_S = 30.0
@@ -347,8 +349,12 @@ def train(cfg: Config, resume: str | None = None) -> int:
         for s, handler in old.items():
             signal.signal(s, handler)
         lock.release()
-    print_summary(run_dir)
     status = RunDir(run_dir).status()
+    if stop_signal:  # the learner ended cleanly on our SIGTERM; the run's status is the signal's
+        reason = status["reason"] if status else "stopped before the learner had started"
+        with contextlib.suppress(OSError):  # a full disk must not change what the launcher exits with
+            write_status(run_dir, 128 + stop_signal, f"{reason} ({signal.Signals(stop_signal).name})")
+    print_summary(run_dir)
     if stop_signal:
         return 128 + stop_signal
     if learner.returncode == 0 and status and status["exit_code"]:

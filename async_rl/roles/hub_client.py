@@ -71,6 +71,9 @@ class HubClient:
 def check_hub_address(hub_addr: str) -> None:
     if not HUB_ADDRESS.fullmatch(hub_addr):
         raise ConnectError(f"--hub: expected tcp://HOST:PORT (RUN_DIR/endpoints.json: hub), got {hub_addr!r}")
+    port = int(hub_addr.rsplit(":", 1)[1])
+    if not 1 <= port <= 65535:  # zmq would retry such an address until the connect timeout
+        raise ConnectError(f"--hub: port {port} is outside 1-65535 in {hub_addr!r}")
 
 
 def _why(events: set[int], hub_addr: str, keys_dir: str | None, waited_s: float) -> str:

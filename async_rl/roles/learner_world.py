@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     torch_dist_log = logging.getLogger("torch.distributed")
     for h in list(torch_dist_log.handlers):
         torch_dist_log.removeHandler(h)
-    handler = logging.FileHandler(logs / TORCHRUN_LOG)
+    # A full disk must not turn each of torchrun's log lines into a traceback on stderr.
+    logging.raiseExceptions = False
+    handler = logging.FileHandler(logs / TORCHRUN_LOG, delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
     torch_dist_log.addHandler(handler)
     torch_dist_log.propagate = False
@@ -64,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(torchrun_args))
     except ChildFailedError as err:
-        with open(logs / TORCHRUN_LOG, "a") as out:
-            out.write(err.format_msg() + "\n")
+        try:
+            with open(logs / TORCHRUN_LOG, "a") as out:
+                out.write(err.format_msg() + "\n")
+        except OSError:
+            pass  # the disk may be what failed; the reason below still reaches the launcher
         reason = root_cause(err.failures, logs)
     except Exception as err:  # the rendezvous, a port: torchrun itself failed
         reason = f"torchrun: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

@@ -42,6 +42,7 @@ def test_actor_start_up_failures_are_one_line_with_the_likely_cause(curve_hub, t
         closed = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     cases = {
         "bad address": (["--hub", "127.0.0.1:5555"], "--hub: expected tcp://HOST:PORT"),
+        "bad port": (["--hub", "tcp://127.0.0.1:99999"], "--hub: port 99999 is outside 1-65535"),
         "no hub": (["--hub", closed], f"no hub answered at {closed} for 2s"),
         "no keys": (["--hub", coord.hub_addr], "refused the handshake: it probably requires CURVE (pass --keys DIR)"),
         "unknown key": (["--hub", coord.hub_addr, "--keys", str(strangers)], "refused this actor's CURVE key"),

@@ -100,7 +100,8 @@ def test_sighup_stops_the_run_like_sigterm(tmp_path, demo_model):
     assert proc.returncode == 128 + signal.SIGHUP, err[-3000:]
     assert "stopping (SIGHUP)" in err and "Traceback" not in err
     status = RunDir(run).status()
-    assert status["reason"].startswith("interrupted at step")
+    assert status["reason"].startswith("interrupted at step") and status["reason"].endswith("(SIGHUP)")
+    assert status["exit_code"] == 128 + signal.SIGHUP  # what the launcher exits with
     assert (run / "final" / "model.safetensors").exists() and list((run / "checkpoints").glob("step_*"))
     assert not [p for p in tree[1:] if alive(p)]
 

@@ -223,3 +223,35 @@ def test_nothing_is_renamed_when_no_checkpoint_is_intact(tmp_path, world):
     assert latest_intact_checkpoint(tmp_path, warnings.append) == (
         None, ["step_000004: coordinator.json: checksum mismatch", "step_000002: coordinator.json: checksum mismatch"])
     assert warnings == [] and len(complete_checkpoints(tmp_path / "checkpoints")) == 2
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 256 KiB file system (tmpfs; needs root), unmounted afterwards."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_is_one_line_naming_the_checkpoint_and_nothing_is_committed(small_disk):
+    """DCP's own error is a BaseException carrying every rank's traceback: the learner
+    gets a CheckpointError (an Exception) of one line naming the checkpoint and the cause."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(256, 512)  # 0.5 MiB of weights: more than the disk holds
+        optimizer = torch.optim.Adam(model.parameters())
+        path = small_disk / "checkpoints" / "step_000002"
+        with pytest.raises(CheckpointError) as caught:
+            save_checkpoint(path, {"model": (model, optimizer)}, {"version": 2})
+    finally:
+        dist.destroy_process_group()
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"checkpoint {path}: ")
+    assert re.search(r"its file system has 0\.\d MiB free, the checkpoint needs about 1\.5 MiB\)$", message), message
+    assert list((small_disk / "checkpoints").iterdir()) == []  # the partial one removed: room for status.json
