@@ -64,7 +64,7 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch
     # torch.Generator(device="cuda") reports "cuda", the logits "cuda:0".
     where = generator.device if generator is not None else probs.device
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=where).to(probs.device)
-    total = cdf[:, -1:]
+    total = cdf[:, -1:].contiguous()  # searchsorted copies (and warns about) a strided one
     tok = torch.searchsorted(cdf, u * total, right=True)
     # u * total may round up to total: then the last index with mass, never a zero-mass one.
     last = torch.searchsorted(cdf, total)
