@@ -54,7 +54,8 @@ Output: one JSON object per line on stdout:
   {"kind": "learner", "variant", "pack", "share_prompt", "activation_checkpointing", "precision",
    "device", "ranks", "params", "sequences", "tokens", "scored_tokens", "padded_tokens", "flops_per_step",
    "step_s" (median), "steps_s" (all), "tokens_per_s", "tflops" (per device), "matmul_peak_tflops",
-   "mfu" (against the datasheet peak on CUDA, the measured matmul peak on CPU), "peak_rss_gb"}
+   "mfu" (against the datasheet peak on CUDA, the measured matmul peak on CPU), "peak_rss_gb",
+   "peak_gpu_gb" (torch's peak allocation during the variant's steps; null on CPU)}
   {"kind": "generate", "device", "precision", "params", "prompts", "new_tokens",
    "tokens", "seconds", "tokens_per_s"}
 """
@@ -245,6 +246,8 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
         policy = shard_model(model, mesh, precision=args.precision, activation_checkpointing=ac)
         models = Models(policy, adamw(policy.parameters(), lr=1e-6, weight_decay=0.0))
         times = []
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         for i in range(args.warmup + args.steps):
             dist.barrier()
             sync(device)
@@ -272,7 +275,8 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
                     "matmul_peak_tflops": peak,
                     "mfu": tflops / (args.peak_tflops if device.type == "cuda" else peak),
                     # Monotone within the process: one variant per run for its own peak.
-                    "peak_rss_gb": peak_rss_mb() / 1024})
+                    "peak_rss_gb": peak_rss_mb() / 1024,
+                    "peak_gpu_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None})
         del models, policy, model
         if device.type == "cuda":
             torch.cuda.empty_cache()

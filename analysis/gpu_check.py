@@ -5,7 +5,7 @@ table) and gpu_check.log (every section's output) into --out.
     python analysis/gpu_check.py --out DIR [--dry-run] [--sections ceilings,tests,...]
 
 Sections, each in its own subprocess under its own time limit, so one that fails or
-hangs costs only itself (the limits add up to under 6 minutes):
+hangs costs only itself (the limits add up to 6 minutes):
   ceilings   GPU, memory, torch and CUDA versions; the bf16 rate of an 8192^3 matmul on
              random data and a device-to-device copy's bandwidth (bytes read + written):
              the ceilings the other figures are held against
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SECTIONS = ("ceilings", "tests", "ipc_sync", "learner", "async_run")
-LIMIT_S = {"ceilings": 30, "tests": 75, "ipc_sync": 45, "learner": 120, "async_run": 90}
+LIMIT_S = {"ceilings": 15, "tests": 50, "ipc_sync": 35, "learner": 150, "async_run": 110}
 DATASHEET_BF16_TFLOPS = 989.0  # NVIDIA H100/H200 SXM dense bf16 tensor-core peak
 
 
@@ -172,6 +172,8 @@ def _run_section(name: str, dry: bool, work: Path, log) -> dict:
     cmds, parse = globals()[f"section_{name}"](dry, work)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
+    if name == "learner":  # fewer stranded blocks between the step's differently sized [tokens, V] tensors
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     started = time.monotonic()
     stdout = work / f"{name}.out"
     code: int | None = 0
@@ -200,9 +202,20 @@ def _run_section(name: str, dry: bool, work: Path, log) -> dict:
     except Exception as err:  # a section that ran but left no figures
         result["status"] = "no result" if status == "ok" else status
         result["error"] = f"{type(err).__name__}: {err}"
+    if code != 0:  # what the command said last, not what the parser made of its output
+        result["error"] = last_error(Path(log.name).read_text()) or result.get("error", status)
     if name == "tests" and result["status"] == "ok" and result.get("failed"):
         result["status"] = "failed"
     return result
+
+
+def last_error(text: str) -> str:
+    """The line naming the failure in a section's log: its last exception line, else its
+    last line, cut to 200 characters."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\b\w*(Error|Exception)\b", line)]
+    line = (errors or lines or [""])[-1]
+    return re.sub(r"^\[rank\d+\]:\s*", "", line)[:200]
 
 
 def markdown(report: dict) -> str:
@@ -232,7 +245,8 @@ def markdown(report: dict) -> str:
         rows.append((f"learner {line['variant']}", lr["status"],
                      f"{line['precision']} step {line['step_s']:.3f} s, {line['tokens']} tokens, "
                      f"{line['tflops']:.1f} TFLOP/s, MFU {line['mfu'] or 0:.1%} of {DATASHEET_BF16_TFLOPS:.0f}"
-                     f"{vs_measured}, peak RSS {line['peak_rss_gb']:.1f} GiB"))
+                     f"{vs_measured}, peak RSS {line['peak_rss_gb']:.1f} GiB"
+                     + (f", peak GPU {line['peak_gpu_gb']:.1f} GiB" if line.get("peak_gpu_gb") else "")))
     if lr.get("generate"):
         g = lr["generate"]
         rows.append(("generate (torch engine)", lr["status"],
@@ -244,7 +258,7 @@ def markdown(report: dict) -> str:
                  f"{a.get('steps', '?')} steps in {fig(a, 'train_seconds', '.0f')} s, transport {a.get('transports')}, "
                  f"accuracy {fig(a, 'eval_accuracy_first', '.3f')} -> {fig(a, 'eval_accuracy_last', '.3f')}, "
                  f"{fig(a, 'samples_per_s', '.0f')} samples/s, sync {fig(a, 'sync_s', '.4f')} s, "
-                 f"staleness max {a.get('staleness_max', '?')}"))
+                 f"staleness max {a.get('staleness_max', '?')}" + (f"; {a['error']}" if a.get("error") else "")))
     head = f"GPU check ({'dry run, CPU' if report['dry_run'] else 'GPU'}), {report['date']}, {report['seconds']:.0f} s\n\n"
     rows = rows[:1] + [r for r in rows[1:] if r[1] != "-"]  # sections that ran
     return head + "\n".join("| " + " | ".join(r) + " |" + ("\n|---|---|---|" if k == 0 else "")

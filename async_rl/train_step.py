@@ -53,30 +53,28 @@ def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False,
                  layout: packing.Packed | None = None):
     """Log-probs `[N, L-1]` of the batch's next tokens under `model`, at the actors'
     sampling temperature (their recorded log-probs are tempered too); optionally the
-    per-token entropy of the same distribution, with a graph only when it is a loss
-    term (on a large vocabulary that graph is as big as the logits). `layout`: the
-    batch's packed layout, for one padding-free forward scoring only response tokens
-    (0 elsewhere; see packing.py).
-    The softmax math is float32 whatever the model's compute dtype (bf16 logits
-    would round log-probs to ~3 significant digits, and importance ratios with them)."""
+    per-token entropy of the same distribution, differentiable only when it is a loss
+    term. `layout`: the batch's packed layout, for one padding-free forward scoring only
+    response tokens (0 elsewhere; see packing.py).
+    The softmax math is float32 whatever the model's compute dtype (bf16 logits would
+    round log-probs to ~3 significant digits, and importance ratios with them), in
+    chunks of tokens (algorithms/token_logp.py): no float32 [tokens, V] tensor exists whole."""
     if layout is not None:
         logits = packing.packed_logits(model, layout)
         targets, place = layout.targets, lambda x: packing.scatter_scored(x, layout)
     else:
-        logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits[:, :-1]
-        targets, place = batch.tokens[:, 1:], lambda x: x
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    # One log_softmax serves the log-probs and the entropy: on a large vocabulary each
-    # pass over [tokens, V] costs as much as a decoder layer's matmuls.
-    full = torch.log_softmax(logits, dim=-1)
-    logp = place(full.gather(-1, targets[..., None]).squeeze(-1))
-    if not entropy:
-        return logp, None
-    grad = entropy_grad and torch.is_grad_enabled()
-    with torch.set_grad_enabled(grad):
-        return logp, place(algorithms.entropy_of_logp(full if grad else full.detach()))
+        # Scored over all L positions, so the logits stay contiguous (no [N, L-1, V] copy);
+        # the last position's dummy target is dropped.
+        logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits
+        targets = torch.nn.functional.pad(batch.tokens[:, 1:], (0, 1))
+
+        def place(x):
+            return x[:, :-1]
+    grad = entropy and entropy_grad and torch.is_grad_enabled()
+    logp, ent = algorithms.chosen_logp(logits, targets, temperature, entropy=entropy)
+    if ent is None:
+        return place(logp), None
+    return place(logp), place(ent if grad else ent.detach())
 
 
 def _layouts(cfg: Config, model, local: Batch, micros: list[Micro]) -> dict[Micro, packing.Packed | None]:

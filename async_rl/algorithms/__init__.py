@@ -6,6 +6,7 @@ from .advantages import (ADVANTAGES, GROUP_METHODS, AdvantageEstimator, Advantag
                          discounted_returns, group_advantages, masked_whiten, reinforce_pp_advantages,
                          remax_advantages, token_rewards)
 from .aggregation import AGG_MODES, agg_denominator, aggregate
+from .token_logp import chosen_logp
 from .entropy import entropy_of_logp, token_entropy
 from .gae import gae_advantages, value_loss
 from .importance import EffectiveSampleSize, importance_weights, off_policy_figures
@@ -44,6 +45,7 @@ __all__ = [
     "agg_denominator",
     "aggregate",
     "backward_share",
+    "chosen_logp",
     "discounted_returns",
     "entropy_of_logp",
     "gae_advantages",
