@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import threading
 import time
 from typing import Iterable, Iterator
@@ -35,6 +36,24 @@ from .transports import check_transport, learner_info, served, transport_named
 log = logging.getLogger("async_rl.sync")
 
 
+def store_bound_to(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A TCPStore server listening on `host` alone. Given a host, torch's TCPStore still
+    listens on every address of the machine, so the socket is bound here and handed
+    over (`master_listen_fd`); "0.0.0.0" still means every address, when asked for."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(512)
+        bound = sock.getsockname()[1]
+        return dist.TCPStore(host, bound, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    finally:
+        sock.close()  # a no-op once detached; closes the socket if binding failed
+
+
 class WeightBroadcaster:
     def __init__(self, specs: list[Spec], *, bucket_mb: float, host: str, backend: str, device: torch.device,
                  timeout_s: float, transport: str = "auto", port: int = 0, engine: str = "torch",
@@ -50,8 +69,7 @@ class WeightBroadcaster:
                      else plan_buckets(specs, sync_bucket_bytes(specs, bucket_mb)))
         self.backend = "gloo" if transport == "gloo" else backend
         self.device, self.timeout_s = device, timeout_s
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=timeout_s))
+        self.store = store_bound_to(host, port, timeout_s)
         self.host, self.port = host, self.store.port
         self.store.set(LEARNER_KEY, encode(learner_info(transport, self.backend, device)))
         # gloo sends from host memory (its point-to-point ops take host pointers only), so

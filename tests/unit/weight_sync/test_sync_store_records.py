@@ -86,3 +86,19 @@ def test_rank_0_gives_up_at_once_or_after_its_timeout(store):
     assert handshake.decode_arrival(1, arrivals[1]) == Arrival("gloo")
     with pytest.raises(ValueError, match="rank 2 announced itself as b'collective'"):
         handshake.decode_arrival(2, arrivals[2])
+
+
+def test_the_store_listens_on_its_host_alone():
+    """torch's TCPStore listens on every address whatever host it is given; ours is
+    bound to transport.host, and still serves clients there."""
+    import psutil
+
+    from async_rl.weight_sync.broadcaster import store_bound_to
+
+    store = store_bound_to("127.0.0.1", 0, timeout_s=5)
+    listening = [c.laddr for c in psutil.Process().net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port]
+    assert [a.ip for a in listening] == ["127.0.0.1"]
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
