@@ -3,6 +3,7 @@ flat-buffer broadcast of the same bytes, over the same process group.
 
     python analysis/bench_sync.py [--sizes-mb 10 50 200] [--bucket-mb 16] [--receivers 2]
                                   [--reps 15] [--warmup 2] [--dtype float32] [--threads 1]
+                                  [--link-mbit 1000]
 
 Rank 0 is this process: a real `WeightBroadcaster` (its TCPStore, its background
 broadcast thread, its double-buffered bucket sets). The receivers are N spawned
@@ -11,6 +12,12 @@ views of its buckets, as in an actor). Backend: gloo on CPU over loopback; NCCL 
 device buckets, sent from a side stream, when CUDA is available (one GPU per rank
 needed: NCCL refuses two ranks on one device; an actor sharing the learner's GPU
 uses CUDA IPC instead, which this script does not time).
+
+--link-mbit R puts rank 0 and each receiver on a node of its own (a network namespace
+with its own interface and address, analysis/netns_bed.py; needs root) and limits every
+node's link to R Mbit/s each way with tc tbf: the link, not the CPU, is then the limit,
+and each measurement also gives `over_link_s`, its median over the time the payload
+takes on one link (model bytes x 8 / R).
 
 The parameters are a synthetic list shaped like a scaled-down Qwen2 (embedding, then
 per layer q/k/v with biases, o, gate/up/down, two RMSNorm weights; final norm; tied
@@ -124,7 +131,11 @@ def checksum(tensors) -> float:
 
 
 # -- receiver processes ---------------------------------------------------------------
-def worker(conn, rank: int, threads: int, device_name: str) -> None:
+def worker(conn, rank: int, threads: int, device_name: str, namespace: str | None = None) -> None:
+    if namespace is not None:  # --link-mbit: this receiver is a node of the bed
+        import netns_bed
+
+        netns_bed.enter(namespace)
     torch.set_num_threads(threads)
     device = torch.device(device_name)
     if device.type == "cuda":
@@ -171,15 +182,18 @@ def worker(conn, rank: int, threads: int, device_name: str) -> None:
 
 # -- rank 0 ---------------------------------------------------------------------------
 class Bench:
-    def __init__(self, receivers: int, threads: int, device: torch.device, backend: str, timeout_s: float):
+    def __init__(self, receivers: int, threads: int, device: torch.device, backend: str, timeout_s: float,
+                 host: str = "127.0.0.1", namespaces: list[str] | None = None, link_mbit: float | None = None):
         self.device, self.backend, self.timeout_s = device, backend, timeout_s
+        self.host, self.link_mbit = host, link_mbit
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         ndev = torch.cuda.device_count() if device.type == "cuda" else 0
         for rank in range(1, receivers + 1):
             parent, child = ctx.Pipe()
             dev = f"cuda:{rank % ndev}" if ndev else "cpu"
-            p = ctx.Process(target=worker, args=(child, rank, threads, dev), daemon=True)
+            namespace = namespaces[rank - 1] if namespaces else None
+            p = ctx.Process(target=worker, args=(child, rank, threads, dev, namespace), daemon=True)
             p.start()
             child.close()
             self.conns.append(parent)
@@ -217,7 +231,7 @@ class Bench:
         dtype = specs[0][2]
         nbytes = total_numel * torch.empty((), dtype=dtype).element_size()
         flat = torch.randn(total_numel, generator=g).to(dtype).to(dev)
-        bc = WeightBroadcaster(specs, bucket_mb=bucket_mb, host="127.0.0.1", backend=self.backend, device=dev,
+        bc = WeightBroadcaster(specs, bucket_mb=bucket_mb, host=self.host, backend=self.backend, device=dev,
                                timeout_s=self.timeout_s)
         nocopy = [torch.randn(b.numel, generator=g).to(b.dtype).to(dev) for b in bc.plan]
         self.tell(("setup", specs, bucket_mb, self.backend, self.timeout_s))
@@ -278,7 +292,8 @@ class Bench:
         common = {"device": dev.type, "backend": self.backend, "receivers": len(self.conns),
                   "model_mb": round(nbytes / 2**20, 2), "tensors": len(specs), "dtype": str(dtype).replace("torch.", ""),
                   "bucket_mb": bucket_mb, "buckets": len(bc.plan),
-                  "schedule": "chain" if down_a_chain(self.backend, len(bc.plan), world) else "broadcast per bucket"}
+                  "schedule": "chain" if down_a_chain(self.backend, len(bc.plan), world) else "broadcast per bucket",
+                  "link_mbit": self.link_mbit}
         lines = []
         med = {}
         for mode in modes:
@@ -287,6 +302,8 @@ class Bench:
             line = {"kind": "measurement", **common, "mode": mode, "reps": len(ts),
                     "median_s": round(med[mode], 6), "min_s": round(min(ts), 6),
                     "gbps": round(nbytes / med[mode] / 1e9, 4), "times_s": [round(t, 6) for t in ts]}
+            if self.link_mbit:  # the time the payload takes on one link at its rate
+                line["over_link_s"] = round(med[mode] / (nbytes * 8 / (self.link_mbit * 1e6)), 4)
             if mode == "bucketed":
                 line.update({k: round(statistics.median(v), 6) for k, v in
                              (("publish_median_s", extra["publish_s"]), ("wire_median_s", extra["wire_s"]),
@@ -318,6 +335,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--timeout-s", type=float, default=120.0)
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU even when CUDA is available")
+    ap.add_argument("--link-mbit", type=float, default=None,
+                    help="rank 0 and each receiver on a node of their own (network namespaces, netns_bed.py; "
+                         "root), every node's link limited to this rate each way")
     args = ap.parse_args(argv)
     if args.warmup < 1 or args.reps < 1:
         ap.error("--warmup and --reps must be at least 1")
@@ -333,7 +353,24 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     torch.set_num_threads(args.threads)
 
-    bench = Bench(args.receivers, args.threads, device, backend, args.timeout_s)
+    bed = None
+    place: dict = {}
+    if args.link_mbit:
+        if cuda:
+            ap.error("--link-mbit: the namespace bed is for the CPU path (gloo)")
+        import netns_bed
+
+        reason = netns_bed.Bed.unavailable()
+        if reason:
+            ap.error(f"--link-mbit: {reason}")
+        bed = netns_bed.Bed(["learner"] + [f"receiver{k}" for k in range(1, args.receivers + 1)])
+        for node in bed.nodes:
+            bed.set_rate(node, args.link_mbit)
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # the nodes' own interface, in every process
+        netns_bed.enter(bed.namespace("learner"))
+        place = {"host": bed.address("learner"), "namespaces": [bed.namespace(n) for n in bed.nodes[1:]],
+                 "link_mbit": args.link_mbit}
+    bench = Bench(args.receivers, args.threads, device, backend, args.timeout_s, **place)
     comparisons = []
     try:
         for size in args.sizes_mb:
@@ -345,10 +382,13 @@ def main(argv=None) -> int:
                         comparisons.append(line)
     finally:
         bench.close()
+        if bed is not None:
+            bed.close()
     worst = min(comparisons, key=lambda c: c["bucketed_over_flat"])
     print(json.dumps({"kind": "summary", "device": device.type, "backend": backend,
                       "cuda_available": torch.cuda.is_available(), "receivers": args.receivers,
                       "threads": args.threads, "reps": args.reps, "warmup": args.warmup,
+                      "link_mbit": args.link_mbit,
                       "cpu_count": os.cpu_count(),
                       "bucketed_over_flat": worst["bucketed_over_flat"],
                       "worst_case": {"model_mb": worst["model_mb"], "bucket_mb": worst["bucket_mb"]},

@@ -16,6 +16,7 @@ processes still running in them keep only their loopback.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -31,6 +32,20 @@ def _ip(*args: str, timeout: float = 10) -> str:
     if proc.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip() or proc.returncode}")
     return proc.stdout
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def enter(namespace: str) -> None:
+    """Move the calling thread (and the threads and processes it starts from now on)
+    into a bed's network namespace, as `ip netns exec` does for a new process."""
+    fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {namespace}")
+    finally:
+        os.close(fd)
 
 
 def _command(pid: int) -> str:
@@ -109,16 +124,19 @@ class Bed:
         _ip("-n", self.switch, "link", "set", self._port(node), "up" if up else "down")
 
     def set_rate(self, node: str, mbit: float | None) -> None:
-        """Limit what the switch sends to the node to `mbit` Mbit/s (tc tbf), or lift it."""
-        port = self._port(node)
-        base = ["ip", "netns", "exec", self.switch, "tc", "qdisc"]
-        subprocess.run([*base, "del", "dev", port, "root"], capture_output=True, timeout=10)
-        if mbit is not None:
-            burst = max(32_000, int(mbit * 1e6 / 8 / 250))  # a 4 ms burst, at least 32 kB
-            proc = subprocess.run([*base, "add", "dev", port, "root", "tbf", "rate", f"{mbit}mbit",
-                                   "burst", str(burst), "latency", "50ms"], capture_output=True, text=True, timeout=10)
+        """Limit the node's link to `mbit` Mbit/s each way (tc tbf on both ends of its
+        cable: the switch port for what it receives, its eth0 for what it sends), or
+        lift the limit."""
+        for ns, dev in ((self.switch, self._port(node)), (self.namespace(node), "eth0")):
+            base = ["ip", "netns", "exec", ns, "tc", "qdisc"]
+            subprocess.run([*base, "del", "dev", dev, "root"], capture_output=True, timeout=10)
+            if mbit is None:
+                continue
+            burst = max(64_000, int(mbit * 1e6 / 8 / 250))  # 4 ms worth of bytes, at least 64 kB
+            proc = subprocess.run([*base, "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
+                                   "latency", "100ms"], capture_output=True, text=True, timeout=10)
             if proc.returncode != 0:
-                raise RuntimeError(f"tc tbf on {port}: {proc.stderr.strip()}")
+                raise RuntimeError(f"tc tbf on {ns}/{dev}: {proc.stderr.strip()}")
 
     def listening(self, node: str) -> list[tuple[str, int, str]]:
         """(address, port, owning process's command line) of every listening TCP socket

@@ -35,3 +35,25 @@ def test_bench_sync_prints_consistent_json():
     assert abs(cmp["bucketed_over_flat"] - cmp["bucketed_gbps"] / cmp["flat_gbps"]) < 1e-3 * cmp["bucketed_over_flat"] + 1e-3
     assert summary["bucketed_over_flat"] == cmp["bucketed_over_flat"]
     assert summary["meets_0_8"] == (summary["bucketed_over_flat"] >= 0.8)
+
+
+def test_bench_sync_across_rate_limited_nodes(tmp_path):
+    """--link-mbit: rank 0 and 2 receivers on nodes of their own (network namespaces,
+    root only), every link at 200 Mbit/s: no mode can beat the time the payload takes on
+    one link, so the rate limit and the nodes' addresses were really in the path."""
+    import pytest
+    from conftest import load_analysis
+
+    reason = load_analysis("netns_bed").Bed.unavailable()
+    if reason:
+        pytest.skip(reason)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--sizes-mb", "4", "--receivers", "2", "--reps", "2",
+                           "--warmup", "1", "--bucket-mb", "1", "--cpu", "--timeout-s", "30", "--link-mbit", "200"],
+                          capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    measurements = [m for m in lines if m["kind"] == "measurement"]
+    assert {m["mode"] for m in measurements} == {"flat", "bucketed", "nocopy"}
+    for m in measurements:
+        assert m["link_mbit"] == 200 and m["over_link_s"] >= 0.9, m
+    assert lines[-1]["link_mbit"] == 200
