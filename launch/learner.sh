@@ -110,7 +110,8 @@ echo "learner.sh: run directory $run_dir${checkpoint:+, resuming from $(basename
 
 export PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
-"$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node-rank="$NODE_RANK" \
+# torchrun, with its multi-line failure report sent to RUN_DIR/logs (async_rl.roles.learner_world)
+"$PYTHON" -m async_rl.roles.learner_world "$run_dir" --nnodes="$NNODES" --node-rank="$NODE_RANK" \
     --nproc-per-node="$NPROC_PER_NODE" --rdzv-backend="$RDZV_BACKEND" \
     --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID" \
     -m async_rl.roles.learner "$run_dir/config.yaml" ${checkpoint:+--resume "$checkpoint"} &
@@ -168,6 +169,10 @@ if [[ $NODE_RANK -eq 0 ]]; then
     "$PYTHON" -c 'import sys; from pathlib import Path; from async_rl.launcher import print_summary; print_summary(Path(sys.argv[1]))' "$run_dir" || true
 fi
 if [[ $interrupted -eq 1 ]]; then exit 130; fi
+if [[ $rc -ne 0 ]]; then
+    reason=$("$PYTHON" -c 'import sys; from async_rl.run_dir import RunDir; s = RunDir(sys.argv[1]).status() or {}; print(s.get("reason", "") if s.get("exit_code") else "")' "$run_dir" 2>/dev/null || true)
+    echo "learner.sh: the learner failed: ${reason:-exit status $rc}; details in $run_dir/logs; continue from the last checkpoint with: RESUME=$run_dir launch/learner.sh $run_dir/config.yaml (on every learner node)" >&2
+fi
 if [[ $rc -eq 0 && -f $run_dir/status.json ]]; then
     # The learner exits 0 and records why it stopped (e.g. 3: too many non-finite steps).
     read -r code reason < <("$PYTHON" -c 'import sys; from async_rl.run_dir import RunDir; s = RunDir(sys.argv[1]).status(); print(int(s["exit_code"]), s["reason"])' "$run_dir")

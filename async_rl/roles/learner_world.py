@@ -7,8 +7,10 @@ traceback; here that report goes to RUN_DIR/logs/torchrun.log, and the failure b
 one reason in status.json, which the launcher prints as its one line with the
 `--resume` command. The reason names the root cause: a rank killed by a signal from
 outside (its peers' "connection closed" errors follow from it), else the rank whose
-error was written first. launch/learner.sh runs torchrun itself (there is no launcher
-to print the line; the ranks print their own, see learner_process.py).
+error was written first. launch/learner.sh runs it too (there is no launcher
+to print the line: the ranks print their own, see learner_process.py, and the script
+prints the `--resume` command). With several learner nodes each writes its own log,
+torchrun-node<K>.log, and node 0 alone the status.
 """
 from __future__ import annotations
 
@@ -58,16 +60,20 @@ def main(argv: list[str] | None = None) -> int:
         torch_dist_log.removeHandler(h)
     # A full disk must not turn each of torchrun's log lines into a traceback on stderr.
     logging.raiseExceptions = False
-    handler = logging.FileHandler(logs / TORCHRUN_LOG, delay=True)
+    args = parse_args(torchrun_args)
+    # One log per learner node (they may share RUN_DIR); node 0 alone writes status.json.
+    node = int(args.node_rank or 0)
+    log_file = logs / (TORCHRUN_LOG if node == 0 else TORCHRUN_LOG.replace(".log", f"-node{node}.log"))
+    handler = logging.FileHandler(log_file, delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
     torch_dist_log.addHandler(handler)
     torch_dist_log.propagate = False
 
     try:
-        run(parse_args(torchrun_args))
+        run(args)
     except ChildFailedError as err:
         try:
-            with open(logs / TORCHRUN_LOG, "a") as out:
+            with open(log_file, "a") as out:
                 out.write(err.format_msg() + "\n")
         except OSError:
             pass  # the disk may be what failed; the reason below still reaches the launcher
@@ -76,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         reason = f"torchrun: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     else:
         return 0
+    if node != 0:
+        print(f"async-rl: {reason}", file=sys.stderr, flush=True)
+        return 1
     try:
         write_status(run_dir, 1, reason)
     except OSError:

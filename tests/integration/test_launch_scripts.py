@@ -80,13 +80,13 @@ def test_learner_script_propagates_a_config_error(tmp_path):
 
 def test_learner_script_exits_with_the_status_the_learner_recorded(tmp_path, demo_model):
     """The learner exits 0 and records why it stopped in status.json (e.g. 3: too many
-    non-finite steps); learner.sh exits with that, as `async-rl train` does. torchrun is
+    non-finite steps); learner.sh exits with that, as `async-rl train` does. The learner world is
     replaced by a stub that only writes status.json."""
     import sys
 
     stub = tmp_path / "python"
     stub.write_text(f"""#!/usr/bin/env bash
-if [[ $1 == -m && $2 == torch.distributed.run ]]; then
+if [[ $1 == -m && $2 == async_rl.roles.learner_world ]]; then
     echo '{{"exit_code": 3, "reason": "stopped: 3 non-finite steps"}}' >"$(dirname "${{@: -1}}")/status.json"
     exit 0
 fi
