@@ -10,7 +10,8 @@
 # appears in RUN_DIR/endpoints.json; this script prints it and the launch/actors.sh
 # command to run on actor nodes. Ctrl-C / SIGTERM: the learner saves a checkpoint and
 # final/, and nothing is left running. Exit status: as `async-rl train` (0, 2 for a
-# config error, 3 for too many non-finite steps, 130 when interrupted, else torchrun's).
+# config error, 3 for too many non-finite steps, 130 when interrupted, else 1, with one line
+# naming the failure and the RESUME command).
 #
 # Environment (defaults in brackets):
 #   NNODES          learner nodes [1]
@@ -40,7 +41,7 @@
 #   PYTHON          the interpreter with async_rl installed [python]
 set -euo pipefail
 
-usage() { sed -n '3,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '3,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 && $1 != -h && $1 != --help ]] || usage
 config=$1
 shift

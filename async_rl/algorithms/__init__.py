@@ -6,7 +6,6 @@ from .advantages import (ADVANTAGES, GROUP_METHODS, AdvantageEstimator, Advantag
                          discounted_returns, group_advantages, masked_whiten, reinforce_pp_advantages,
                          remax_advantages, token_rewards)
 from .aggregation import AGG_MODES, agg_denominator, aggregate
-from .token_logp import chosen_logp
 from .entropy import entropy_of_logp, token_entropy
 from .gae import gae_advantages, value_loss
 from .importance import EffectiveSampleSize, importance_weights, off_policy_figures
@@ -17,6 +16,7 @@ from .opmd import opmd_loss
 from .overlong import overlong_filter, overlong_penalty
 from .ppo import IS_MODES, ppo_clip_loss
 from .step_metrics import Count, Figure, Mean, StepMetrics
+from .token_logp import chosen_logp
 
 __all__ = [
     "ADVANTAGES",

@@ -91,9 +91,10 @@ class _ChosenLogp(torch.autograd.Function):
 
 def chosen_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                 entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`[..., V]` logits and `[...]` chosen token ids -> `[...]` log-probs (float32, or float64 for float64 logits) of the
-    chosen tokens under softmax(logits / temperature), and the entropies of those
-    distributions when `entropy` (else None); both differentiable w.r.t. the logits."""
+    """`[..., V]` logits and `[...]` chosen token ids -> `[...]` log-probs of the chosen
+    tokens under softmax(logits / temperature), and the entropies of those distributions
+    when `entropy` (else None); both differentiable w.r.t. the logits, and float32 (float64
+    for float64 logits)."""
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     # reshape copies a non-contiguous input; callers pass contiguous logits to avoid it.
     logp, ent = _ChosenLogp.apply(logits.reshape(-1, vocab), targets.reshape(-1), float(temperature), entropy)
