@@ -15,7 +15,8 @@ records.py). How the buckets then travel is a transport behind one interface
 (base.py), chosen by name (transports.py, `sync.transport`): a pipelined chain on gloo
 (gloo_chain.py), one broadcast per bucket on NCCL (nccl.py), a device-to-device copy
 for an actor on the learner's own GPU (cuda_ipc.py), vLLM's weight-transfer API for
-actors on the vLLM engine (vllm.py, vllm_api.py).
+actors on the vLLM engine (vllm.py, vllm_api.py). A broadcast that a dropped member
+holds up is abandoned at both ends instead of waiting out its timeout (abandon.py).
 """
 from .base import WeightTransport
 from .broadcaster import WeightBroadcaster

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .base import SenderSide
 from .bucket_sets import BucketSets
 from .epochs import Epoch, SyncJob, form_epoch
+from .abandon import mark_abandoned, run_abandonable
 from .errors import SyncAbandoned, describe
 from .plan import Spec, layout_id, plan_buckets, plan_packed, sync_bucket_bytes
 from .records import LEARNER_KEY, encode
@@ -93,6 +94,7 @@ class WeightBroadcaster:
         self.failures = 0
         self.last_broadcast_s = 0.0
         self.crashed: BaseException | None = None  # what ended the broadcast thread, if not close()
+        self._left_behind: list[threading.Thread] = []  # sends of abandoned epochs, waiting out gloo's timeout
         self._thread = threading.Thread(target=self._run_guarded, name="weight-broadcast", daemon=True)
         self._thread.start()
 
@@ -157,7 +159,14 @@ class WeightBroadcaster:
                     epoch = form_epoch(self.store, job, self._senders, engine=self.engine, timeout_s=self.timeout_s,
                                        give_up=lambda: self._give_up(job))
                     self.group = epoch.group
-                epoch.send(source)
+                try:
+                    # In a thread of its own: a member the coordinator dropped (its link cut,
+                    # the process stopped) must not hold the others up until the timeout.
+                    run_abandonable(lambda: epoch.send(source), lambda: self._give_up(job), "weight-send",
+                                    self._left_behind)
+                except SyncAbandoned as err:
+                    mark_abandoned(self.store, job.epoch, str(err))  # releases the members still waiting
+                    raise
                 self.completed += 1
                 self.last_broadcast_s = time.monotonic() - started
             except SyncAbandoned as err:  # the loop picks the new membership up

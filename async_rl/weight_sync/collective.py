@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .base import MemberBuckets, ReceiverSide, SenderSide
 from .bucket_sets import BucketSet
+from .errors import SyncAbandoned
 from .records import Arrival, Group, group_prefix
 
 
@@ -72,6 +73,9 @@ class CollectiveSender:
         self.group = new_group(self.backend, self.side.store, self._epoch, 0, self.world, self.side.timeout_s)
 
     def send(self, source: BucketSet) -> None:
+        # The group of this send, held: a send left behind by an abandoned epoch must not
+        # go on into the next epoch's group once `self.group` is replaced.
+        group = self.group
         works = []
         stream = self.side.side_stream
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -79,7 +83,7 @@ class CollectiveSender:
                 source.wait_ready(i)
                 if source.events is not None:
                     stream.wait_event(source.events[i])  # the copy-in, not the whole learner stream
-                works.append(broadcast_async(self.group, tensor))
+                works.append(broadcast_async(group, tensor))
                 if source.events is None:  # host buckets: one at a time (queueing them all measured no faster)
                     works.pop().wait()
             wait_all(works, self.side.timeout_s)
@@ -110,11 +114,14 @@ class CollectiveReceiver:
         self.group = new_group(self.backend, self.side.store, epoch, self.rank, self.world, self.side.timeout_s)
 
     def receive(self) -> None:
+        group = self.group  # held: a receive left behind must not go on into another group
         if self.device.type == "cuda":  # queued on the stream; the host waits once, with a timeout
-            wait_all([broadcast_async(self.group, flat) for flat in self.target], self.side.timeout_s)
+            wait_all([broadcast_async(group, flat) for flat in self.target], self.side.timeout_s)
         else:  # one at a time: queueing them all measured no faster on CPU
             for flat in self.target:
-                broadcast(self.group, flat)
+                if group is not self.group:  # left (abandoned): stop here
+                    raise SyncAbandoned("the member left this group")
+                broadcast(group, flat)
 
     def leave(self) -> None:
         self.group = None

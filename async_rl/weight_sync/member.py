@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import datetime
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
 from . import handshake
+from .abandon import member_gives_up
 from .base import ReceiverEnd, ReceiverSide
 
 
@@ -30,6 +31,8 @@ class Member:
         self._store: dist.TCPStore | None = None
         self._end: ReceiverEnd | None = None
         self._epoch = -1
+        # For `deliver`: whether rank 0 has abandoned the epoch being received (abandon.py).
+        self.give_up: Callable[[], str | None] = lambda: None
 
     @property
     def group(self) -> Any:
@@ -51,6 +54,7 @@ class Member:
                 group = handshake.join(self._store, epoch, rank, self._end.arrival(), self.timeout_s)
                 self._end.join(epoch, rank, group)
                 self._epoch = epoch
+            self.give_up = member_gives_up(self._store, epoch)
             self.deliver(self._end)
         except Exception as err:
             # The group may be broken (a member gone, a collective half done): never reuse
@@ -62,6 +66,14 @@ class Member:
             self._epoch = -1
             traceback.clear_frames(err.__traceback__)
             raise
+
+    def reopen(self) -> None:
+        """Open the store connection and the transport's end afresh at the next receive
+        (an end whose old receive may still be writing must not be reused)."""
+        if self._end is not None:
+            self._end.leave()
+        self._store = self._end = None
+        self._epoch = -1
 
     def open_end(self, side: ReceiverSide) -> ReceiverEnd:
         raise NotImplementedError

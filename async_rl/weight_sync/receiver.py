@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from .abandon import run_abandonable
 from .base import MemberBuckets, ReceiverEnd, ReceiverSide
+from .errors import SyncAbandoned
 from .member import Member
 from .plan import alias_into_buckets, plan_buckets, sync_bucket_bytes
 from .records import LEARNER_KEY, LearnerInfo, decode
@@ -53,6 +55,7 @@ class WeightReceiver(Member):
         # interface; the group's backend is rank 0's, read from its store entry.
         self.backend = backend
         self.transport: str | None = None  # gloo | nccl | cuda_ipc, decided from rank 0's store entry
+        self._left_behind: list = []  # receives of abandoned epochs, waiting out gloo's timeout
 
     def open_end(self, side: ReceiverSide) -> ReceiverEnd:
         info = decode(LearnerInfo, side.store.get(LEARNER_KEY), "transport entry")
@@ -63,7 +66,17 @@ class WeightReceiver(Member):
     def deliver(self, end: ReceiverEnd) -> None:
         if not end.staged:
             self.intact = False  # from the first byte on: a broken-off bucket is half written
-        end.receive()
+        if end.staged and self.transport == "gloo":
+            # Abandonable (abandon.py): staged, what a receive left behind still writes
+            # lands in buffers no later sync reads, since they are replaced here.
+            try:
+                run_abandonable(end.receive, self.give_up, "weight-receive", self._left_behind)
+            except SyncAbandoned:
+                self.staging = [torch.empty_like(flat) for flat in self.buckets]
+                self.reopen()
+                raise
+        else:
+            end.receive()
         if end.staged:
             # Only a local copy can fail from here on (a device error), but it would
             # leave a mix of two versions like a broken-off sync does.

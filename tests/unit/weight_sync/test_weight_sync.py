@@ -126,7 +126,7 @@ def kill_mid_sync(monkeypatch, bc, job, survivor, survivor_id, dying, dying_id, 
 
     def await_then_die(work, timeout_s):
         real_await(work, timeout_s)
-        if threading.current_thread().name == "dying":
+        if threading.current_thread().name.startswith("dying"):
             awaited[0] += 1
             if awaited[0] == buckets:
                 if last_words is not None:
