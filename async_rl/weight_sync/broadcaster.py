@@ -162,7 +162,7 @@ class WeightBroadcaster:
                 try:
                     # In a thread of its own: a member the coordinator dropped (its link cut,
                     # the process stopped) must not hold the others up until the timeout.
-                    run_abandonable(lambda: epoch.send(source), lambda: self._give_up(job), "weight-send",
+                    run_abandonable(lambda: self._send(epoch, source), lambda: self._give_up(job), "weight-send",
                                     self._left_behind)
                 except SyncAbandoned as err:
                     mark_abandoned(self.store, job.epoch, str(err))  # releases the members still waiting
@@ -183,6 +183,11 @@ class WeightBroadcaster:
                 with buffers.cond:
                     self._job, buffers.reading = None, False
                     buffers.cond.notify_all()
+
+    def _send(self, epoch: Epoch, source) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread, and this one is new
+        epoch.send(source)
 
     def _give_up(self, job: SyncJob) -> str | None:
         if self.buffers.closed:
