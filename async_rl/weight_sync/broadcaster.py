@@ -25,10 +25,10 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from .abandon import mark_abandoned, run_abandonable
 from .base import SenderSide
 from .bucket_sets import BucketSets
 from .epochs import Epoch, SyncJob, form_epoch
-from .abandon import mark_abandoned, run_abandonable
 from .errors import SyncAbandoned, describe
 from .plan import Spec, layout_id, plan_buckets, plan_packed, sync_bucket_bytes
 from .records import LEARNER_KEY, encode
