@@ -151,15 +151,17 @@ def test_the_actor_nodes_link_down_shorter_or_longer_than_the_heartbeat(bed, tmp
         time.sleep(down_s)
         bed.set_rate("actors", None) if slow_mbit else bed.set_link("actors", up=True)
 
-    batch_groups = 8
-    result = run_on_bed(bed, tmp_path, [f"model.path={demo_model}", "train.max_steps=60", "eval.every=0",
+    # Enough steps after the link is back for every reaped actor to register again
+    # (a reconnecting actor backs off), so each ends with the run's goodbye.
+    batch_groups, steps_n = 8, 300
+    result = run_on_bed(bed, tmp_path, [f"model.path={demo_model}", f"train.max_steps={steps_n}", "eval.every=0",
                                         f"train.batch_groups={batch_groups}", "actors.groups_per_request=4",
                                         f"actors.heartbeat_timeout_s={heartbeat_s}", f"sync.timeout_s={SYNC_TIMEOUT_S}"],
                         learner_nodes=("learner0",), during=cut_link)
     run, out = result["run"], result["outs"][0]
     steps, _ = read_metrics(run)
-    assert len(steps) == 60 and cut["at_step"] < 60
-    assert steps[-1]["data/prompts_consumed"] == 60 * batch_groups
+    assert len(steps) == steps_n and cut["at_step"] < steps_n
+    assert steps[-1]["data/prompts_consumed"] == steps_n * batch_groups
     assert RunDir(run).status()["exit_code"] == 0
     reaped = "removed: no heartbeat" in out
     assert reaped == (down_s > heartbeat_s and not slow_mbit), out[-3000:]
