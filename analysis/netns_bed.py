@@ -123,11 +123,14 @@ class Bed:
         node's own interface keeps its address, as a host whose network failed would."""
         _ip("-n", self.switch, "link", "set", self._port(node), "up" if up else "down")
 
-    def set_rate(self, node: str, mbit: float | None) -> None:
-        """Limit the node's link to `mbit` Mbit/s each way (tc tbf on both ends of its
-        cable: the switch port for what it receives, its eth0 for what it sends), or
-        lift the limit."""
-        for ns, dev in ((self.switch, self._port(node)), (self.namespace(node), "eth0")):
+    def set_rate(self, node: str, mbit: float | None, direction: str = "both") -> None:
+        """Limit the node's link to `mbit` Mbit/s (tc tbf), or lift the limit: `direction`
+        "in" limits what the node receives (tbf on the switch port), "out" what it sends
+        (tbf on its eth0), "both" each way."""
+        if direction not in ("in", "out", "both"):
+            raise ValueError(f"direction must be in, out or both, not {direction!r}")
+        ends = {"in": [(self.switch, self._port(node))], "out": [(self.namespace(node), "eth0")]}
+        for ns, dev in ends["in"] + ends["out"] if direction == "both" else ends[direction]:
             base = ["ip", "netns", "exec", ns, "tc", "qdisc"]
             subprocess.run([*base, "del", "dev", dev, "root"], capture_output=True, timeout=10)
             if mbit is None:

@@ -126,18 +126,23 @@ def test_the_demo_trains_to_its_accuracy_across_the_nodes(bed, tmp_path):
 SYNC_TIMEOUT_S = 30.0  # longer than any pause the test allows: a broadcast that waited it out would fail it
 
 
-@pytest.mark.parametrize("down_s,heartbeat_s,slow_mbit", [
-    (2.0, 5.0, None), (8.0, 4.0, None), pytest.param(6.0, 5.0, 1.0, marks=pytest.mark.extended)],
-    ids=["shorter", "longer", "slowed"])
+@pytest.mark.parametrize("down_s,heartbeat_s,slow_mbit,direction", [
+    (2.0, 5.0, None, None), (8.0, 4.0, None, None),
+    pytest.param(6.0, 5.0, 1.0, "both", marks=pytest.mark.extended),
+    pytest.param(6.0, 5.0, 1.0, "in", marks=pytest.mark.extended),
+    pytest.param(6.0, 5.0, 0.1, "out", marks=pytest.mark.extended)],
+    ids=["shorter", "longer", "slowed", "slowed-weights", "slowed-experience"])
 def test_the_actor_nodes_link_down_shorter_or_longer_than_the_heartbeat(bed, tmp_path, demo_model, down_s,
-                                                                       heartbeat_s, slow_mbit):
+                                                                       heartbeat_s, slow_mbit, direction):
     """Shorter: the actors keep going. Longer: the hub reaps them, and they register again
     once the link is back. Either way the run goes on and ends whole: no hang, every
     admitted prompt consumed once, and the longest pause is the cut's own length plus
     seconds: a weight broadcast in flight to the reaped actors is abandoned (abandon.py)
     instead of waiting out sync.timeout_s.
-    Slowed: the link is not cut but held to 1 Mbit/s each way (a weight sync of the
-    demo's 0.5 MB then takes 4 s): the run goes on at that pace, and nobody is reaped."""
+    Slowed: the link is not cut but held to a rate: 1 Mbit/s each way, or only what the
+    node receives (the weight sync: the demo's 0.5 MB then takes 4 s), or 0.1 Mbit/s on
+    only what it sends (the experience pushes and heartbeats): the run goes on at that
+    pace, and nobody is reaped."""
     cut = {}
 
     def cut_link(run):
@@ -145,11 +150,12 @@ def test_the_actor_nodes_link_down_shorter_or_longer_than_the_heartbeat(bed, tmp
             time.sleep(0.1)
         cut["at_step"] = len(RunDir(run).steps_and_evals()[0])
         if slow_mbit:
-            bed.set_rate("actors", slow_mbit)
+            bed.set_rate("actors", slow_mbit, direction)
         else:
             bed.set_link("actors", up=False)
         time.sleep(down_s)
-        bed.set_rate("actors", None) if slow_mbit else bed.set_link("actors", up=True)
+        cut["steps_during"] = len(RunDir(run).steps_and_evals()[0]) - cut["at_step"]
+        bed.set_rate("actors", None, direction) if slow_mbit else bed.set_link("actors", up=True)
 
     # Enough steps after the link is back for every reaped actor to register again
     # (a reconnecting actor backs off), so each ends with the run's goodbye.
@@ -166,7 +172,10 @@ def test_the_actor_nodes_link_down_shorter_or_longer_than_the_heartbeat(bed, tmp
     reaped = "removed: no heartbeat" in out
     assert reaped == (down_s > heartbeat_s and not slow_mbit), out[-3000:]
     times = [s["time"] for s in steps]
-    assert max(b - a for a, b in zip(times, times[1:])) < down_s + 6
+    pause = max(b - a for a, b in zip(times, times[1:]))
+    print(f"link {'slowed ' + direction if slow_mbit else 'down'} {down_s} s: longest pause {pause:.1f} s, "
+          f"{cut['steps_during']} steps meanwhile")
+    assert pause < down_s + 6
     if reaped:
         assert result["actor_out"].count("registered again") == 2, result["actor_out"][-3000:]
     assert steps[-1]["actors/live"] == 2
@@ -233,3 +242,35 @@ def test_a_cut_actor_node_does_not_hold_up_the_broadcast_to_the_others(bed, tmp_
     assert "registered again" in result["actor_out"], result["actor_out"][-3000:]  # once its link was back
     times = [s["time"] for s in steps]
     assert max(b - a for a, b in zip(times, times[1:])) < heartbeat_s + 4, out[-3000:]
+
+
+def test_a_rate_limit_holds_one_direction_only(bed):
+    """set_rate's direction: "out" slows what the node sends, not what it receives."""
+    server = subprocess.Popen(bed.exec("learner0", [sys.executable, "-c", _SINK, bed.address("learner0")]),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        port = server.stdout.readline().strip()
+        seconds = {}
+        bed.set_rate("actors", 8.0, "out")
+        try:
+            for node in ("actors", "learner1"):  # 1 MB each, to learner0: limited from actors only
+                start = time.monotonic()
+                subprocess.run(bed.exec(node, [sys.executable, "-c", _SEND_MB, bed.address("learner0"), port]),
+                               check=True, timeout=30)
+                seconds[node] = time.monotonic() - start
+        finally:
+            bed.set_rate("actors", None, "out")
+    finally:
+        server.kill()
+    assert seconds["actors"] > 0.8 and seconds["learner1"] < 0.5, seconds  # 1 MB at 8 Mbit/s: 1 s (less its burst)
+
+
+_SINK = """import socket, sys
+s = socket.create_server((sys.argv[1], 0)); print(s.getsockname()[1], flush=True); s.settimeout(30)
+while True:
+    c = s.accept()[0]
+    while c.recv(1 << 16): pass
+    c.sendall(b"k"); c.close()"""
+_SEND_MB = """import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20)
+c.sendall(b"x" * 1_000_000); c.shutdown(socket.SHUT_WR); c.recv(1)"""
