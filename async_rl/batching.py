@@ -35,6 +35,10 @@ class Batch:
     group: torch.Tensor        # int64 [N], group index within the batch
     prompt_len: torch.Tensor   # int64 [N], prompt tokens at the start of the row
     truncated: torch.Tensor    # int64 [N], 1 = the response was cut at the length limit
+    # float32 [N, L-1]: each step's reward at the position predicting the step's last
+    # token, NaN elsewhere; a response that names no steps has one, its reward at its
+    # last policy token (process rewards, algorithms/advantages.py).
+    step_rewards: torch.Tensor
 
     def rows(self, start: int, stop: int) -> "Batch":
         return Batch(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
@@ -49,15 +53,16 @@ class Batch:
 
 def build_batch(groups, pad_id: int) -> Batch:
     """The learner's rows of `groups` (ExperienceGroup messages): the one conversion
-    from the ragged sample format to the padded row layout."""
+    from the ragged sample format to the padded row layout. Only the policy's tokens
+    are scored (`loss_mask`); an environment's tokens in a multi-turn response are
+    context."""
     rows = []
     for g_index, g in enumerate(groups):
         prompt = np.asarray(g.prompt_tokens, dtype=np.int64)
         for j, response in enumerate(g.responses()):
-            rows.append((prompt, response.tokens.astype(np.int64), response.logprobs,
-                         float(g.rewards[j]), g_index, g.greedy_reward, int(g.truncated[j])))
+            rows.append((prompt, response, float(g.rewards[j]), g_index, g.greedy_reward, int(g.truncated[j])))
     N = len(rows)
-    L = max(len(p) + len(r) for p, r, *_ in rows)
+    L = max(len(p) + len(r.tokens) for p, r, *_ in rows)
     L = max(L, 2)
     tokens = np.full((N, L), pad_id, dtype=np.int64)
     attention = np.zeros((N, L), dtype=np.int64)
@@ -68,20 +73,27 @@ def build_batch(groups, pad_id: int) -> Batch:
     group = np.zeros(N, dtype=np.int64)
     prompt_len = np.zeros(N, dtype=np.int64)
     truncated = np.zeros(N, dtype=np.int64)
-    for i, (prompt, resp, lp, reward, g_index, greedy_reward, cut) in enumerate(rows):
-        P, R = len(prompt), len(resp)
+    step_rewards = np.full((N, L - 1), np.nan, dtype=np.float32)
+    for i, (prompt, resp, reward, g_index, greedy_reward, cut) in enumerate(rows):
+        P, R = len(prompt), len(resp.tokens)
         tokens[i, :P] = prompt
-        tokens[i, P:P + R] = resp
+        tokens[i, P:P + R] = resp.tokens
         attention[i, :P + R] = 1
         # Response token k sits at position P+k and is predicted at position P+k-1.
-        loss_mask[i, P - 1:P - 1 + R] = 1.0
-        logp_behav[i, P - 1:P - 1 + R] = lp
+        loss_mask[i, P - 1:P - 1 + R] = 1.0 if resp.policy_mask is None else resp.policy_mask
+        logp_behav[i, P - 1:P - 1 + R] = resp.logprobs
         rewards[i], group[i], prompt_len[i], truncated[i] = reward, g_index, P, cut
         if greedy_reward is not None:
             baselines[i] = greedy_reward
+        if resp.step_ends is not None:
+            step_rewards[i, P - 1 + resp.step_ends] = resp.step_rewards
+        elif R:
+            scored = np.flatnonzero(loss_mask[i])
+            if scored.size:
+                step_rewards[i, scored[-1]] = reward
     t = torch.from_numpy
     return Batch(t(tokens), t(attention), t(loss_mask), t(logp_behav), t(rewards), t(baselines), t(group),
-                 t(prompt_len), t(truncated))
+                 t(prompt_len), t(truncated), t(step_rewards))
 
 
 def assign_to_ranks(groups: Sequence[T], world: int, minibatches: int) -> list[list[T]]:

@@ -133,7 +133,7 @@ class TrainConfig(_Section):
     batch_groups: int = Field(64, ge=1, description="Prompt groups consumed per learner step.")
     group_size: int = Field(8, ge=1, description="Responses sampled per prompt (G).")
     loss: LossName = Field("ppo", description="Policy loss.")
-    advantage: AdvantageName = Field("grpo", description="Advantage estimator for `ppo` (`opmd` uses rewards directly): group-relative `grpo`/`drgrpo`/`rloo`, `reinforce_pp` (global whitening), `remax` (greedy baseline, actors generate it), `gae` (critic).")
+    advantage: AdvantageName = Field("grpo", description="Advantage estimator for `ppo` (`opmd` uses rewards directly): group-relative `grpo`/`drgrpo`/`rloo`, `grpo_process` (GRPO on process rewards: each step's reward normalized within the group, a token's advantage the sum over the steps ending at or after it; a response without steps is one step), `reinforce_pp` (global whitening), `remax` (greedy baseline, actors generate it), `gae` (critic).")
     minibatches: int = Field(1, ge=1, description="Optimizer steps per learner step, each on a disjoint slice of the batch; > 1 adds a no-grad proximal forward (the policy at the start of the step).")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount over response tokens (reinforce_pp, gae).")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (entropy is logged either way).")

@@ -239,7 +239,7 @@ def packing_error(model, shared: bool = False) -> float:
     batch = Batch(tokens=torch.zeros(n, L, dtype=torch.long), attention=torch.zeros(n, L, dtype=torch.long),
                   loss_mask=torch.zeros(n, L - 1), logp_behav=torch.zeros(n, L - 1), rewards=torch.zeros(n),
                   baselines=torch.zeros(n), group=torch.tensor([0, 0, 1, 1]), prompt_len=torch.tensor(prompts),
-                  truncated=torch.zeros(n, dtype=torch.long))
+                  truncated=torch.zeros(n, dtype=torch.long), step_rewards=torch.full((n, L - 1), float("nan")))
     for i, (p, r) in enumerate(zip(prompts, responses)):
         batch.tokens[i, :p] = group_prompts[i // 2][:p]
         batch.tokens[i, p:p + r] = torch.randint(0, vocab, (r,), generator=gen)

@@ -18,9 +18,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def group_version(token_versions: np.ndarray, default: int) -> int:
-    """The version of a group's oldest token (`token_versions`: all its responses'
-    tokens, flat); `default` (the generating weights) when no response has a token."""
+def group_version(token_versions: np.ndarray, default: int, policy_mask: np.ndarray | None = None) -> int:
+    """The version of a group's oldest policy token (`token_versions`: all its responses'
+    tokens, flat; `policy_mask`, when not empty: 1 where the policy sampled the token, 0
+    where an environment wrote it); `default` (the generating weights) when no response
+    has a policy token."""
+    if policy_mask is not None and len(policy_mask):
+        token_versions = token_versions[np.asarray(policy_mask, dtype=bool)]
     return int(token_versions.min()) if token_versions.size else int(default)
 
 

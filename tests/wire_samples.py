@@ -25,6 +25,7 @@ from async_rl.transport import (
 )
 
 LIMITS = WireLimits()
+TRUNCATED_AND_AFTER = ("truncated", "policy_mask", "step_ends", "step_rewards")
 TIMEOUT_MS = 2000
 
 
@@ -198,8 +199,9 @@ CASES = {
     "extra_frame": (_header_edit(make_group(), lambda h: None, lambda f: [*f, f[-1]]), "frame_count"),
     "frame_named_twice": (_header_edit(make_group(), _array("rewards", frame=1)), "frame_count"),
     "frame_zero": (_header_edit(make_group(), _array("rewards", frame=0)), "frame_count"),
-    "missing_array": (_header_edit(make_group(), lambda h: h["message"].pop("truncated"),
-                                   lambda f: f[:-1]), "missing_field"),
+    # truncated, and the optional arrays after it (their frames are the last ones).
+    "missing_array": (_header_edit(make_group(), lambda h: [h["message"].pop(k) for k in TRUNCATED_AND_AFTER],
+                                   lambda f: f[:-len(TRUNCATED_AND_AFTER)]), "missing_field"),
     "frame_length": (_header_edit(make_group(), lambda h: None,
                                   lambda f: [f[0], f[1][:-4], *f[2:]]), "shape_mismatch"),
     "nan_logprobs": (encode(_nan_logprobs()), "non_finite"),

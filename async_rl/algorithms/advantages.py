@@ -135,6 +135,32 @@ def remax_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor) -> tor
     return _float(rewards) - _float(greedy_rewards)
 
 
+def process_advantages(step_rewards: torch.Tensor, mask: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """GRPO with process supervision (DeepSeekMath, arXiv 2402.03300, section 4.1.3):
+    token advantages `[B, T]`. `step_rewards` `[B, T]` holds the reward of each step at
+    the position of the step's last token, NaN elsewhere. Each step reward is
+    normalized within its prompt group over all the group's steps, (r - mean) /
+    (std + 1e-6) with the unbiased std, as `group_advantages` does for sequence rewards,
+    and a token's advantage is the sum of the normalized rewards of the steps that end
+    at or after it. With one step per response, at its last token, this is GRPO.
+    Positions outside `mask` are 0."""
+    is_step = ~torch.isnan(step_rewards)
+    r = torch.where(is_step, _float(step_rewards), 0.0)
+    _, gid = torch.unique(group, return_inverse=True)
+    groups = int(gid.max()) + 1 if gid.numel() else 0
+
+    def per_group(x: torch.Tensor) -> torch.Tensor:  # [B, T] summed within each group -> [B, 1]
+        return torch.zeros(groups, dtype=r.dtype, device=r.device).index_add(0, gid, x.sum(-1))[gid, None]
+
+    n = per_group(is_step.to(r.dtype))
+    mean = per_group(r) / n.clamp(min=1)
+    centered = torch.where(is_step, r - mean, 0.0)
+    std = (per_group(centered.square()) / (n - 1).clamp(min=1)).sqrt()
+    normalized = centered / (std + _STD_EPS)
+    to_go = normalized.flip(-1).cumsum(-1).flip(-1)  # sum over the steps ending at or after each position
+    return torch.where(mask.bool(), to_go, 0.0)
+
+
 # ---------------------------------------------------------------- the registry
 
 
@@ -151,6 +177,7 @@ class AdvantageInputs:
     kl: torch.Tensor | None = None
     values: torch.Tensor | None = None  # the critic's values (gae)
     reduce_sum: ReduceSum | None = None  # sums over the learner ranks, for whitening over the global batch
+    step_rewards: torch.Tensor | None = None  # [B, T] each step's reward at its last token, NaN elsewhere
 
     def sequence_rewards(self) -> torch.Tensor:
         """Rewards less the KL penalty summed over each response: what the sequence-level
@@ -194,8 +221,25 @@ def _gae(x: AdvantageInputs) -> Advantages:
     return Advantages(masked_whiten(adv, x.mask, reduce_sum=x.reduce_sum), returns)
 
 
+def _grpo_process(x: AdvantageInputs) -> Advantages:
+    """Process rewards (each response's reward as its one step when none are given); a
+    KL penalty in the reward (kl.mode=reward) is charged to each response's last step,
+    as the sequence-level estimators charge it to the sequence."""
+    steps = x.step_rewards
+    if steps is None:  # one step per response: its reward at its last token
+        m = x.mask.bool()
+        last = m & (m.cumsum(-1) == m.sum(-1, keepdim=True))
+        steps = torch.where(last, _float(x.rewards)[:, None], float("nan"))
+    if x.kl is not None:
+        is_step = ~steps.isnan()
+        last = is_step & (is_step.cumsum(-1) == is_step.sum(-1, keepdim=True))
+        steps = torch.where(last, steps - x.train.kl.coef * x.kl.sum(-1, keepdim=True), steps)
+    return Advantages(process_advantages(steps, x.mask, x.group))
+
+
 ADVANTAGES: dict[str, AdvantageEstimator] = {
     **{method: _group_relative(method) for method in GROUP_METHODS},
+    "grpo_process": _grpo_process,
     "reinforce_pp": _reinforce_pp,
     "remax": _remax,
     "gae": _gae,

@@ -160,11 +160,23 @@ class Goodbye(Message, tag="goodbye"):
 
 class Response(NamedTuple):
     """One response of an ExperienceGroup: its tokens, each token's sampling log-prob
-    and the policy version that sampled it."""
+    and the policy version that sampled it. A multi-turn episode's response also holds
+    what its environment wrote between the policy's turns: `policy_mask` is 1 where the
+    policy sampled the token (log-prob and version real) and 0 where the environment
+    wrote it (log-prob 0, version that of the policy token before it); None: every
+    token is the policy's. `step_ends` (offsets in the response) and `step_rewards`:
+    the reward given at the end of each step (a turn, a reasoning step), if any."""
 
     tokens: np.ndarray  # int32 [n]
     logprobs: np.ndarray  # float32 [n]
     versions: np.ndarray  # int32 [n]
+    policy_mask: np.ndarray | None = None  # uint8 [n]
+    step_ends: np.ndarray | None = None  # int32 [s], increasing, each < n
+    step_rewards: np.ndarray | None = None  # float32 [s]
+
+
+def _empty(dtype) -> Any:
+    return lambda: np.zeros(0, dtype)
 
 
 # eq=False: a generated __eq__ would compare ndarrays, whose truth is ambiguous.
@@ -172,9 +184,12 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
     """actor -> learner: ONE prompt group, the training-sample format. The prompt
     travels once; the G responses travel end to end in flat [R] arrays (R = the sum of
     `response_lengths`), response j at offsets sum(lengths[:j]) .. sum(lengths[:j+1]);
-    `responses()` hands them out, `from_responses` builds a group. Nothing is padded:
-    every response token was sampled by the policy and is trained, so no loss mask
-    travels, and no reader has to know which positions are padding."""
+    `responses()` hands them out, `from_responses` builds a group. Nothing is padded.
+    A single-turn response is the policy's alone and `policy_mask` is empty; a
+    multi-turn episode's response interleaves the environment's tokens, and
+    `policy_mask` [R] marks the policy's: only those are trained, and only they count
+    for the group's version. Process rewards: `step_rewards[k]` rewards the step whose
+    last token is at flat offset `step_ends[k]`."""
 
     actor_id: Count
     group: Count  # admission index
@@ -191,6 +206,9 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
     greedy_reward: Optional[Finite] = None  # ReMax baseline, when computed
     # Samples (and the greedy baseline) scored reward.fallback, per reward_guard.REASONS.
     reward_errors: list[Count] = field(default_factory=zero_counts)
+    policy_mask: UInt8Vector = field(default_factory=_empty(np.uint8))  # [R], or [0]: all the policy's
+    step_ends: Int32Vector = field(default_factory=_empty(np.int32))  # [S] flat offsets, increasing
+    step_rewards: Float32Vector = field(default_factory=_empty(np.float32))  # [S]
 
     @classmethod
     def from_responses(cls, responses: Sequence[Response], **fields: Any) -> "ExperienceGroup":
@@ -199,17 +217,33 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
         def flat(arrays: list, dtype: type) -> np.ndarray:
             return np.concatenate([np.asarray(a, dtype=dtype) for a in arrays]) if arrays else np.zeros(0, dtype)
 
+        lengths = [len(r.tokens) for r in responses]
+        starts = np.cumsum([0, *lengths[:-1]], dtype=np.int64)
+        if any(r.policy_mask is not None for r in responses):
+            fields["policy_mask"] = flat([np.ones(len(r.tokens)) if r.policy_mask is None else r.policy_mask
+                                          for r in responses], np.uint8)
+        if any(r.step_ends is not None and len(r.step_ends) for r in responses):
+            fields["step_ends"] = flat([np.asarray(r.step_ends, np.int64) + start for r, start in zip(responses, starts)
+                                        if r.step_ends is not None], np.int32)
+            fields["step_rewards"] = flat([r.step_rewards for r in responses if r.step_ends is not None], np.float32)
         return cls(response_tokens=flat([r.tokens for r in responses], np.int32),
-                   response_lengths=np.array([len(r.tokens) for r in responses], dtype=np.int32),
+                   response_lengths=np.array(lengths, dtype=np.int32),
                    logprobs=flat([r.logprobs for r in responses], np.float32),
                    token_versions=flat([r.versions for r in responses], np.int32), **fields)
 
     def responses(self) -> list[Response]:
-        """The G responses, in order (views: no copy)."""
+        """The G responses, in order (views: no copy, except the step offsets)."""
         ends = np.cumsum(self.response_lengths, dtype=np.int64).tolist()
         starts = [0, *ends[:-1]]
-        return [Response(self.response_tokens[a:b], self.logprobs[a:b], self.token_versions[a:b])
-                for a, b in zip(starts, ends)]
+        masked = len(self.policy_mask) > 0
+        cuts = np.searchsorted(self.step_ends, [*starts, ends[-1] if ends else 0])
+        out = []
+        for j, (a, b) in enumerate(zip(starts, ends)):
+            s0, s1 = cuts[j], cuts[j + 1]
+            steps = (self.step_ends[s0:s1].astype(np.int64) - a, self.step_rewards[s0:s1]) if s1 > s0 else (None, None)
+            out.append(Response(self.response_tokens[a:b], self.logprobs[a:b], self.token_versions[a:b],
+                                self.policy_mask[a:b] if masked else None, *steps))
+        return out
 
     def check(self, limits: "WireLimits") -> str | None:
         lengths = self.response_lengths
@@ -237,10 +271,26 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
             return "bad_value"
         if r and self.token_versions.min() < 0:
             return "bad_value"
+        if (reason := self._check_turns(r)) is not None:
+            return reason
         # The group's version is what staleness is measured on: it must be exactly
-        # the oldest token's, or admission accounting lies.
-        if group_version(self.token_versions, default=self.version) != self.version:
+        # the oldest policy token's, or admission accounting lies.
+        if group_version(self.token_versions, default=self.version, policy_mask=self.policy_mask) != self.version:
             return "version_mismatch"
+        return None
+
+    def _check_turns(self, r: int) -> str | None:
+        """The multi-turn fields: a mask of 0/1 per token, and steps that end, in order,
+        on policy tokens."""
+        mask, ends = self.policy_mask, self.step_ends
+        if mask.shape not in ((0,), (r,)) or ends.shape != self.step_rewards.shape:
+            return "shape_mismatch"
+        if (mask > 1).any():
+            return "bad_value"
+        if len(ends) and (ends.min() < 0 or ends.max() >= r or (np.diff(ends) <= 0).any()):
+            return "bad_value"
+        if len(ends) and len(mask) and not mask[ends].all():
+            return "bad_value"
         return None
 
 

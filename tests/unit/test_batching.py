@@ -78,3 +78,24 @@ def test_scatter_over_a_one_rank_group_returns_the_rows_of_every_group(tmp_path)
     for name in ("tokens", "attention", "loss_mask", "logp_behav", "rewards", "group", "prompt_len", "truncated"):
         assert torch.equal(getattr(local, name), getattr(expected, name)), name
     assert local.tokens[2].tolist() == [6, 7, 5, 5] and torch.isnan(local.baselines).all()
+
+
+def test_a_multi_turn_response_scores_only_the_policys_tokens_and_places_its_steps():
+    turns = Response(np.array([4, 5, 90, 91, 6]), np.array([-0.5, -0.25, 0.0, 0.0, -1.0]), np.zeros(5),
+                     policy_mask=np.array([1, 1, 0, 0, 1]), step_ends=np.array([1, 4]),
+                     step_rewards=np.array([0.5, 1.0]))
+    single = Response(np.array([7, 8]), np.array([-0.1, -0.2]), np.zeros(2))
+    g = ExperienceGroup.from_responses([turns, single], actor_id=0, group=0, prompt_id=0, version=0,
+                                       prompt_tokens=np.array([1, 2], np.int32), rewards=np.array([1.5, 0.25], np.float32),
+                                       truncated=np.zeros(2, np.uint8), gen_seconds=0.0)
+    batch = build_batch([g], pad_id=PAD)
+    assert batch.tokens.tolist() == [[1, 2, 4, 5, 90, 91, 6], [1, 2, 7, 8, PAD, PAD, PAD]]
+    # Position t predicts token t+1: the environment's 90, 91 (positions 3, 4) are context.
+    assert batch.loss_mask.tolist() == [[0, 1, 1, 0, 0, 1], [0, 1, 1, 0, 0, 0]]
+    assert batch.logp_behav.tolist() == [[0, -0.5, -0.25, 0, 0, -1.0], [0, pytest.approx(-0.1), pytest.approx(-0.2), 0, 0, 0]]
+    nan = float("nan")
+    steps = torch.where(batch.step_rewards.isnan(), nan, batch.step_rewards)
+    # The steps end at response offsets 1 and 4 (tokens 5 and 6); a response without steps
+    # has one, its reward at its last policy token.
+    assert torch.equal(steps.isnan(), torch.tensor([[1, 1, 0, 1, 1, 0], [1, 1, 0, 1, 1, 1]], dtype=torch.bool))
+    assert batch.step_rewards[0, 2] == 0.5 and batch.step_rewards[0, 5] == 1.0 and batch.step_rewards[1, 2] == 0.25
