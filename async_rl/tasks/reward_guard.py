@@ -32,6 +32,33 @@ REASONS = ("raised", "timeout", "non_finite", "not_a_number")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+class BadReward(ValueError):
+    """A value that is no usable reward, for `reason` (non_finite or not_a_number)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def as_reward(value: object) -> float:
+    """`value` as a float reward (a bool counts as 0/1); raises BadReward for None, str,
+    bytes, a complex, a list... (`not_a_number`), NaN, inf or beyond float32 (`non_finite`)."""
+    if isinstance(value, bool):
+        return float(value)
+    if (value is None or isinstance(value, (str, bytes, bytearray))
+            or (isinstance(value, numbers.Number) and not isinstance(value, numbers.Real))):
+        raise BadReward("not_a_number")
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond float range
+        raise BadReward("non_finite") from None
+    except Exception:  # float() refuses it (a list, an object without __float__)
+        raise BadReward("not_a_number") from None
+    if not math.isfinite(number) or abs(number) > _FLOAT32_MAX:
+        raise BadReward("non_finite")
+    return number
+
+
 class _Timeout(BaseException):
     """Raised by our SIGALRM handler inside the reward. A BaseException, so that a
     reward's own `except Exception:` cannot swallow it and go on hanging."""
@@ -79,20 +106,10 @@ class RewardGuard:
             return self._failed("timeout", response, f"ran past reward.timeout_s={self.timeout_s:g}s")
         except Exception as err:
             return self._failed("raised", response, f"raised {type(err).__name__}: {err}", exc_info=err)
-        if isinstance(value, bool):
-            return float(value)
-        if (value is None or isinstance(value, (str, bytes, bytearray))
-                or (isinstance(value, numbers.Number) and not isinstance(value, numbers.Real))):
-            return self._failed("not_a_number", response, f"returned {value!r:.60}")
         try:
-            number = float(value)
-        except OverflowError:  # an int beyond float range
-            return self._failed("non_finite", response, f"returned {value!r:.60}")
-        except Exception:  # float() refuses it (a list, an object without __float__)
-            return self._failed("not_a_number", response, f"returned {value!r:.60}")
-        if not math.isfinite(number) or abs(number) > _FLOAT32_MAX:
-            return self._failed("non_finite", response, f"returned {value!r:.60}")
-        return number
+            return as_reward(value)
+        except BadReward as bad:
+            return self._failed(bad.reason, response, f"returned {value!r:.60}")
 
     def take_counts(self) -> list[int]:
         """Failures per reason (REASONS order) since the previous call."""
