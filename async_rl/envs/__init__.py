@@ -5,6 +5,7 @@ environment (tool results, game state), trained as one token-exact sample.
     guard     user environment code run guarded: failures counted, never fatal
     turns     the tokens an environment's answer adds, in the chat template's format
     episode   one episode's token sequence, loss mask, log-probs, versions and steps
+    rollout   many episodes in flight on one engine, environments in worker threads
 """
 from .base import Environment, EnvironmentFactory, Turn
 from .episode import Episode

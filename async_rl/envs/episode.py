@@ -31,6 +31,7 @@ class Episode:
         self.reward = 0.0
         self.done = False
         self.truncated = False  # ended by a limit (tokens, turns), not by the environment
+        self.failure: str | None = None  # why the environment failed (reward_guard.REASONS), if it did
 
     def prefix(self) -> list[int]:
         """What the policy's next turn is conditioned on."""
