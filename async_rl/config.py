@@ -178,6 +178,14 @@ class MetricsConfig(_Section):
     warn_after_steps: int = Field(10, ge=1, description="Warn once (one line with the likely cause) when most responses are one token long, or every group has the same reward for all its samples, this many steps in a row.")
 
 
+class EnvConfig(_Section):
+    name: str | None = Field(None, description="Multi-turn episodes: the environment that answers the policy's turns (docs/environments.md): built-in `calculator` (a tool the policy calls as <calc>expression</calc>; its final turn is scored by the task's reward), or a factory `module:function` / `path/to/file.py:function` taking a task prompt and returning an object with `step(action) -> Turn`. null = single-turn (prompt -> response -> reward).")
+    max_turns: int = Field(4, ge=1, description="Policy turns per episode; an episode still going after them ends truncated.")
+    max_tokens: int = Field(256, ge=1, description="Tokens of an episode after its prompt (the policy's and the environment's); an episode that reaches it ends truncated.")
+    turn_tokens: int | None = Field(None, ge=1, description="New tokens per policy turn (null = actors.max_new_tokens); a turn cut there ends its episode truncated.")
+    timeout_s: float = Field(10.0, gt=0.0, description="An environment call (its factory, one step) running longer fails its episode: scored reward.fallback and counted (reward/errors_timeout).")
+
+
 class CheckpointConfig(_Section):
     every: int = Field(0, ge=0, description="Resumable checkpoint every this many steps (0 = only at the end); `--resume` loses at most this many steps.")
     keep: int = Field(2, ge=1, description="Complete checkpoints kept in RUN_DIR/checkpoints; older ones are deleted once a newer one is complete.")
@@ -210,6 +218,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
@@ -231,6 +240,8 @@ class Config(_Section):
                              f"of whole groups")
         if self.train.loss == "opmd" and self.train.advantage in ("remax", "gae"):
             raise ValueError(f"train.advantage: {self.train.advantage} needs train.loss=ppo (opmd uses rewards directly)")
+        if self.env.name is not None and self.train.advantage == "remax":
+            raise ValueError("train.advantage: remax needs single-turn responses (env.name: null)")
         if self.eval.pass_k > 1 and self.eval.temperature == 0.0:
             raise ValueError("eval.pass_k: greedy decoding gives k identical samples; set eval.temperature > 0")
         if self.train.overlong.penalty_tokens >= self.actors.max_new_tokens:

@@ -197,6 +197,32 @@ def check_task(cfg: Config) -> None:
             if not finite:
                 raise ConfigError(f"task.reward: {spec or 'the task reward'} returned {value!r:.40} on a sample; "
                                   f"a reward must be a finite number")
+    if cfg.env.name:
+        check_environment(cfg, task, prompt_format)
+
+
+def check_environment(cfg: Config, task, prompt_format) -> None:
+    """env.name loads, makes an environment for a sample prompt, and the chat template
+    lets turns be appended: else one line (exit 2). A file path is made absolute."""
+    from .envs import TurnFormat
+    from .envs.registry import environment_factory
+
+    name = cfg.env.name
+    if ".py:" in name and not Path(name.rsplit(":", 1)[0]).is_absolute():
+        file, fn = name.rsplit(":", 1)
+        cfg.env.name = f"{Path(file).resolve()}:{fn}"
+    try:
+        factory = environment_factory(cfg.env.name, task)
+        TurnFormat(prompt_format).text([{"role": "user", "content": "x"}])
+    except ValueError as err:
+        raise ConfigError(str(err).splitlines()[0] if str(err).startswith("env.name") else f"env.name: {err}") from None
+    try:
+        env = factory(task.train_prompt(0))
+    except Exception as err:  # user code: any failure is a config error here
+        raise ConfigError(f"env.name: {name} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+                          f"making the environment of a sample prompt") from None
+    if not callable(getattr(env, "step", None)):
+        raise ConfigError(f"env.name: {name} made {type(env).__name__}, which has no step(action) method")
 
 
 def prepare(cfg: Config, resume: str | None = None) -> tuple[Path, Path | None, RunLock]:

@@ -7,13 +7,15 @@ policy is generated in one batch, while environments answer in worker threads.
 
 An episode whose environment is slow never holds the engine: the loop generates for
 whichever episodes are ready and collects answers as they come, and waits only when no
-episode is ready. An environment call that runs past `timeout_s` fails its episode
-(counted as `timeout`); Python cannot stop the thread, which finishes on its own, so
-`workers` should exceed the calls expected to hang at once.
+episode is ready. Each environment call runs in a daemon thread of its own (an episode
+has at most one call pending). One that runs past `timeout_s` fails its episode
+(counted as `timeout`); Python cannot stop the thread, which finishes on its own, and
+being a daemon it never keeps the actor from exiting.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from dataclasses import dataclass
 
@@ -43,8 +45,22 @@ class Sampling:
     greedy: bool = False
 
 
+def call_in_thread(fn, *args) -> cf.Future:
+    """`fn(*args)` in a new daemon thread; its Future."""
+    future: cf.Future = cf.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # handed to whoever reads the result
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="env-call", daemon=True).start()
+    return future
+
+
 def run_episodes(engine, prompt_format, turn_format: TurnFormat, guard: EnvironmentGuard, prompts: list[Prompt],
-                 group_size: int, limits: EpisodeLimits, sampling: Sampling, pool: cf.ThreadPoolExecutor,
+                 group_size: int, limits: EpisodeLimits, sampling: Sampling,
                  generator: torch.Generator | None = None) -> list[list[Episode]]:
     """`group_size` episodes per prompt, run to their ends; result[i][j]: prompt i's
     episode j. Each Episode's `failure` names the reason its environment failed, if it did."""
@@ -63,13 +79,13 @@ def run_episodes(engine, prompt_format, turn_format: TurnFormat, guard: Environm
     stops = set(getattr(engine, "eos_token_ids", []) or [])
     while ready or pending:
         if ready:
-            _policy_turns(engine, prompt_format, guard, envs, ready, limits, sampling, pool, pending, generator)
+            _policy_turns(engine, prompt_format, guard, envs, ready, limits, sampling, pending, generator)
             ready = []
         ready = _collect(turn_format, guard, pending, stops, limits, wait=not ready)
     return groups
 
 
-def _policy_turns(engine, prompt_format, guard, envs, ready, limits, sampling, pool, pending, generator) -> None:
+def _policy_turns(engine, prompt_format, guard, envs, ready, limits, sampling, pending, generator) -> None:
     """One batched turn for every ready episode; each turn's text goes to its environment."""
     budget = max(ep.budget() for ep in ready)
     completions = engine.generate([ep.prefix() for ep in ready], n=1, max_new_tokens=min(limits.turn_tokens, budget),
@@ -83,7 +99,7 @@ def _policy_turns(engine, prompt_format, guard, envs, ready, limits, sampling, p
         if ep.done:
             continue
         action = prompt_format.response_text(c.tokens.tolist())
-        pending[pool.submit(guard.step, envs[id(ep)], action)] = (ep, time.monotonic() + limits.timeout_s)
+        pending[call_in_thread(guard.step, envs[id(ep)], action)] = (ep, time.monotonic() + limits.timeout_s)
 
 
 def _collect(turn_format, guard, pending, stops, limits, wait: bool) -> list[Episode]:
@@ -99,7 +115,6 @@ def _collect(turn_format, guard, pending, stops, limits, wait: bool) -> list[Epi
     for future in [f for f in pending if f.done() or pending[f][1] <= now]:
         ep, _ = pending.pop(future)
         if not future.done():
-            future.cancel()
             _fail(ep, guard, EnvironmentFailed("timeout", f"ran past env.timeout_s={limits.timeout_s:g}s"))
             continue
         try:

@@ -26,6 +26,8 @@ import zmq
 from ..config import Config, from_yaml
 from ..engines import make_engine
 from ..engines.vllm_engine import VLLMConfigError
+from ..envs.rollout import Sampling
+from ..envs.runner import EpisodeRunner
 from ..tracing import SpanRecorder, WaitSpan, now_us, spans_to_arrays
 from ..evaluation import score_prompts
 from ..prompting import stop_token_ids
@@ -115,6 +117,7 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             return 2
         task = make_task_from_config(cfg)
         reward = RewardGuard.for_task(task, cfg, logger=log)  # user code: failures are counted
+        runner = EpisodeRunner(cfg, task, prompt_format) if cfg.env.name else None  # multi-turn episodes
         prompts = PromptIndex(task)
         sync_args = dict(bucket_mb=cfg.sync.bucket_mb, backend=sync_backend(device), timeout_s=cfg.sync.timeout_s)
         make_receiver = getattr(engine, "weight_receiver", None)  # engines whose weights live elsewhere (vLLM)
@@ -160,11 +163,11 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             elif isinstance(reply, EvalGrant):
                 with spans.span("eval", groups=len(reply.prompt_ids)):
                     push.send_multipart(evaluate_chunk(engine, prompt_format, task, prompts, cfg, reply, actor_id,
-                                                       generator, reward), copy=False)
+                                                       generator, reward, runner), copy=False)
             elif isinstance(reply, WorkGrant):
                 try:
                     messages = rollout(engine, prompt_format, task, prompts, cfg, reply, actor_id, generator, spans,
-                                       reward)
+                                       reward, runner)
                 except LeaveNow as leave:  # only from the in-flight hook, in the middle of generation
                     if leave.rejoin:  # the grant was re-issued when the hub removed us: drop the batch
                         actor_id = _register_again(hub, name, state)
@@ -307,10 +310,11 @@ def _sync(hub: HubClient, receiver: WeightReceiver, engine, order: SyncOrder, st
 
 
 def evaluate_chunk(engine, prompt_format, task, prompts: PromptIndex, cfg: Config, grant: EvalGrant, actor_id: int,
-                   generator, reward: RewardGuard | None = None) -> list:
+                   generator, reward: RewardGuard | None = None, runner: EpisodeRunner | None = None) -> list:
     """Score one chunk of held-out prompts; the encoded EvalResult. In-flight weight
     updates are off meanwhile: every score of a round comes from the version it names.
-    `reward`: the actor's guard around task.reward (default: a new one from cfg.reward)."""
+    `reward`: the actor's guard around task.reward (default: a new one from cfg.reward);
+    `runner`: score episodes (env.name) instead of single responses."""
     e = cfg.eval
     reward = reward if reward is not None else RewardGuard.for_task(task, cfg, logger=log)
     reward.take_counts()  # only this chunk's failures go into its result
@@ -318,24 +322,39 @@ def evaluate_chunk(engine, prompt_format, task, prompts: PromptIndex, cfg: Confi
     threads = torch.get_num_threads()
     torch.set_num_threads(e.threads or threads)
     try:
-        rewards, lengths, truncated = score_prompts(
-            engine, prompt_format, task, [prompts[i] for i in grant.prompt_ids], samples=e.pass_k,
-            max_new_tokens=e.max_new_tokens or cfg.actors.max_new_tokens, temperature=e.temperature,
-            generator=generator, reward=reward)
+        chunk = [prompts[i] for i in grant.prompt_ids]
+        if runner is not None:
+            sampling = Sampling(e.temperature or 1.0, greedy=e.temperature == 0.0)
+            rewards, lengths, truncated, env_errors = runner.scores(engine, chunk, e.pass_k, sampling, generator)
+        else:
+            rewards, lengths, truncated = score_prompts(
+                engine, prompt_format, task, chunk, samples=e.pass_k,
+                max_new_tokens=e.max_new_tokens or cfg.actors.max_new_tokens, temperature=e.temperature,
+                generator=generator, reward=reward)
+            env_errors = [0] * len(REASONS)
     finally:
         engine.step_hook = hook
         torch.set_num_threads(threads)
     return encode(EvalResult(actor_id=actor_id, round=grant.round, version=grant.version,
                              prompt_ids=list(grant.prompt_ids), rewards=rewards, response_lengths=lengths,
-                             truncated=truncated, reward_errors=reward.take_counts()))
+                             truncated=truncated,
+                             reward_errors=[a + b for a, b in zip(reward.take_counts(), env_errors)]))
 
 
 def rollout(engine, prompt_format, task, prompts: PromptIndex, cfg: Config, grant: WorkGrant, actor_id: int,
-            generator, spans: SpanRecorder | None = None, reward: RewardGuard | None = None) -> list:
+            generator, spans: SpanRecorder | None = None, reward: RewardGuard | None = None,
+            runner: EpisodeRunner | None = None) -> list:
     """Generate, score and encode one ExperienceGroup per granted prompt; `spans` gets
     the generate and score spans. `reward`: the actor's guard around task.reward
-    (default: a new one from cfg.reward); each group carries its own failure counts."""
+    (default: a new one from cfg.reward); each group carries its own failure counts.
+    `runner`: multi-turn episodes (env.name) instead of single responses."""
     spans = spans if spans is not None else SpanRecorder(enabled=False)
+    if runner is not None:
+        granted = [prompts[i] for i in grant.prompt_ids]
+        with spans.span("generate", groups=len(granted)):
+            groups = runner.experience(engine, granted, grant, actor_id, cfg.train.group_size,
+                                       Sampling(cfg.actors.temperature, cfg.actors.top_p), generator)
+        return [encode(g) for g in groups]
     reward = reward if reward is not None else RewardGuard.for_task(task, cfg, logger=log)
     reward.take_counts()  # only this grant's failures go into its groups
     G = cfg.train.group_size

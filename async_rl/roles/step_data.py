@@ -53,8 +53,23 @@ def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float,
         "actors/gen_tokens_per_s": float(lengths.sum()) / max(gen_seconds, 1e-9),
         **version_mix(groups, learner_version),  # in-flight updates: actors/mixed_version_frac, ...
         "reward/error_frac": reward_error_frac}
+    if any(len(g.policy_mask) for g in groups):  # multi-turn episodes
+        turns = policy_turns(groups)
+        metrics.update({"env/turns_mean": float(turns.mean()), "env/turns_max": float(turns.max()),
+                        "env/policy_token_frac": float(np.concatenate([g.policy_mask for g in groups]).mean())})
     texts = None
     if cfg.metrics.text_every and (learner_version + 1) % cfg.metrics.text_every == 0:
         texts = {"samples/generations": generations_table(groups, prompt_format)}
     return StepData(metrics, samples=len(lengths), gen_tokens=float(lengths.sum()), waited=waited,
                     reward_errors=reward_errors, histograms=batch_histograms(groups, staleness), texts=texts)
+
+
+def policy_turns(groups) -> np.ndarray:
+    """Policy turns of each response: the runs of policy tokens in its mask (a response
+    without a mask is one turn)."""
+    out = []
+    for g in groups:
+        for r in g.responses():
+            m = r.policy_mask
+            out.append(1 if m is None else int(m[:1].sum() + ((m[1:] == 1) & (m[:-1] == 0)).sum()))
+    return np.array(out)

@@ -94,9 +94,7 @@ class EpochSampler:
 
 def load_reward_fn(spec: str) -> RewardFn:
     """Resolve a reward spec to a callable ``f(prompt, response, answer)``: a built-in
-    name (rewards.BUILTIN_REWARDS), ``package.module:function`` (importable from the
-    working directory, which the launcher puts on the spawned processes' path), or
-    ``path/to/file.py:function``.
+    name (rewards.BUILTIN_REWARDS), or a user callable (`load_callable`).
 
     Every way this can fail raises ValueError with one line naming the spec, so a bad
     config surfaces as one readable line instead of a traceback.
@@ -108,18 +106,27 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not isinstance(spec, str) or ":" not in spec:
         raise ValueError(f"reward spec {spec!r} must be a built-in name ({', '.join(BUILTIN_REWARDS)}), "
                          f"'module:function' or 'path/to/file.py:function'")
+    return load_callable(spec, "reward spec")  # type: ignore[return-value]
+
+
+def load_callable(spec: str, what: str) -> Callable:
+    """User code named by ``package.module:function`` (importable from the working
+    directory, which the launcher puts on the spawned processes' path) or
+    ``path/to/file.py:function``; ``mod:Class.method`` walks dotted attributes. Every
+    way this can fail raises ValueError with one line starting with `what` and the spec."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"{what} {spec!r} must look like 'module:function' or 'path/to/file.py:function'")
     source, attr = (part.strip() for part in spec.rsplit(":", 1))
     if not source or not attr:
-        raise ValueError(f"reward spec {spec!r} must look like 'module:function' or 'path/to/file.py:function'")
-    fn = _load_file(spec, source) if source.endswith(".py") else _import(spec, source)
-    # Allow dotted attributes ("mod:Class.method") by walking them one at a time.
+        raise ValueError(f"{what} {spec!r} must look like 'module:function' or 'path/to/file.py:function'")
+    fn = _load_file(spec, source, what) if source.endswith(".py") else _import(spec, source, what)
     for part in attr.split("."):
         if not hasattr(fn, part):
-            raise ValueError(f"reward spec {spec!r}: {source!r} has no attribute {attr!r}")
+            raise ValueError(f"{what} {spec!r}: {source!r} has no attribute {attr!r}")
         fn = getattr(fn, part)
     if not callable(fn):
-        raise ValueError(f"reward spec {spec!r}: {attr!r} is not callable")
-    return fn  # type: ignore[return-value]
+        raise ValueError(f"{what} {spec!r}: {attr!r} is not callable")
+    return fn
 
 
 def _cause(exc: BaseException) -> str:
@@ -129,24 +136,24 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}{where}" if text else f"{type(exc).__name__}{where}"
 
 
-def _import(spec: str, name: str):
+def _import(spec: str, name: str, what: str):
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
         # The module itself (or a parent package) is missing, not something it imports.
         if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
-            raise ValueError(f"reward spec {spec!r}: no module named {exc.name!r}; it must be importable from the "
+            raise ValueError(f"{what} {spec!r}: no module named {exc.name!r}; it must be importable from the "
                              f"working directory or installed, or give a file: 'path/to/rewards.py:fn'") from None
-        raise ValueError(f"reward spec {spec!r}: module {name!r} failed to import ({_cause(exc)})") from None
+        raise ValueError(f"{what} {spec!r}: module {name!r} failed to import ({_cause(exc)})") from None
     except (Exception, SystemExit) as exc:  # user code: anything may go wrong at import time
-        raise ValueError(f"reward spec {spec!r}: module {name!r} failed to import ({_cause(exc)})") from None
+        raise ValueError(f"{what} {spec!r}: module {name!r} failed to import ({_cause(exc)})") from None
 
 
-def _load_file(spec: str, path: str):
+def _load_file(spec: str, path: str, what: str):
     file = Path(path).expanduser()
     if not file.is_file():
         where = "" if file.is_absolute() else f" in {Path.cwd()}"
-        raise ValueError(f"reward spec {spec!r}: no file {path}{where}")
+        raise ValueError(f"{what} {spec!r}: no file {path}{where}")
     # One module name per file (stable across processes), registered in sys.modules
     # as an import would be: dataclasses and typing look a class's module up there.
     name = f"async_rl_reward_{hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]}"
@@ -157,5 +164,5 @@ def _load_file(spec: str, path: str):
         module_spec.loader.exec_module(module)  # type: ignore[union-attr]
     except (Exception, SystemExit) as exc:  # user code: anything may go wrong at import time
         sys.modules.pop(name, None)
-        raise ValueError(f"reward spec {spec!r}: cannot load file {path} ({_cause(exc)})") from None
+        raise ValueError(f"{what} {spec!r}: cannot load file {path} ({_cause(exc)})") from None
     return module

@@ -1,7 +1,6 @@
 """envs/rollout.py on the real torch engine and a tiny chat model: many episodes in
 flight, each turn batched over the episodes ready for it, a slow environment never
 holding the engine, and one that hangs failing its episode alone."""
-import concurrent.futures as cf
 import time
 
 import pytest
@@ -46,9 +45,8 @@ def setup(chat_model):
 def _run(setup, factory, prompts, limits, fallback=0.0):
     engine, pf, turns = setup
     engine.calls = []
-    with cf.ThreadPoolExecutor(4) as pool:
-        return run_episodes(engine, pf, turns, EnvironmentGuard(factory, fallback=fallback), prompts, 2, limits,
-                            Sampling(temperature=1.0), pool, torch.Generator().manual_seed(0))
+    return run_episodes(engine, pf, turns, EnvironmentGuard(factory, fallback=fallback), prompts, 2, limits,
+                        Sampling(temperature=1.0), torch.Generator().manual_seed(0))
 
 
 def test_episodes_take_their_turns_in_one_batch_and_a_turn_cut_at_its_limit_ends_the_episode(setup):

@@ -1,0 +1,56 @@
+"""Multi-turn episodes end to end: `async-rl train` with a user environment from a file
+(env.name), a tiny chat model with a ChatML template, real actors, wire and learner,
+process rewards (train.advantage=grpo_process). The episodes take several turns, the
+environment's tokens reach the learner as context (env/policy_token_frac < 1), and the
+evaluation scores episodes too. A bad env.name is one line before anything starts."""
+import math
+import subprocess
+import sys
+
+from conftest import ROOT, read_metrics, subprocess_env, train
+
+ENV = '''
+from async_rl.envs import Turn
+
+
+class TwoQuestions:
+    """Asks a follow-up once; rewards each turn by its length (something to learn)."""
+
+    def __init__(self, prompt):
+        self.turns = 0
+
+    def step(self, action):
+        self.turns += 1
+        reward = min(len(action), 20) / 20
+        if self.turns == 2:
+            return Turn(reward=reward, done=True)
+        return Turn([{"role": "user", "content": "And then?"}], reward=reward)
+
+
+def make(prompt):
+    return TwoQuestions(prompt)
+'''
+
+
+def test_a_run_trains_on_multi_turn_episodes_of_a_users_environment(tmp_path, chat_model):
+    env_file = tmp_path / "my_env.py"
+    env_file.write_text(ENV)
+    run = tmp_path / "run"
+    # The random model samples "e" often: it ends a turn (actors.stop), so episodes go on.
+    train(run, chat_model, "task.name=word_problems", f"env.name={env_file}:make", "env.max_turns=3",
+          "env.max_tokens=40", "actors.max_new_tokens=6", "actors.stop=[e]", "train.advantage=grpo_process",
+          "train.max_steps=3", "learner.ranks=1", "eval.size=8", "eval.batch_size=8")
+    steps, evals = read_metrics(run)
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert max(s["env/turns_max"] for s in steps) == 2 and all(s["env/policy_token_frac"] < 1 for s in steps)
+    assert all(math.isfinite(s["loss/total"]) and s["reward/errors"] == 0 for s in steps)
+    assert evals and all(0.0 <= e["eval/reward_mean"] <= 1.0 for e in evals)
+
+
+def test_a_bad_environment_is_one_line_before_the_run_starts(tmp_path, chat_model):
+    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={tmp_path / 'r'}",
+           f"model.path={chat_model}", "task.name=word_problems", f"env.name={tmp_path}/missing.py:make"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "env.name" in lines[0] and "no file" in lines[0], proc.stderr
