@@ -39,9 +39,9 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["arithmetic", "word_problems", "jsonl"] = Field("arithmetic", description="Prompt source: built-in `arithmetic` (a+b=, for the demo model), built-in `word_problems` (arithmetic and one-step word problems in English, for chat models) or `jsonl` (lines with `answer` and either `prompt` or `messages`).")
+    name: Literal["arithmetic", "word_problems", "tool_problems", "jsonl"] = Field("arithmetic", description="Prompt source: built-in `arithmetic` (a+b=, for the demo model), built-in `word_problems` (arithmetic and one-step word problems in English, for chat models), built-in `tool_problems` (word problems with two-digit products, posed with a worked example of the calculator tool, for `env.name: calculator`) or `jsonl` (lines with `answer` and either `prompt` or `messages`).")
     digits: int = Field(2, ge=1, le=6, description="arithmetic: digits per operand.")
-    eval_size: int = Field(256, ge=1, description="arithmetic, word_problems: number of held-out prompts, never trained on (jsonl: see eval_path).")
+    eval_size: int = Field(256, ge=1, description="arithmetic, word_problems, tool_problems: number of held-out prompts, never trained on (jsonl: see eval_path).")
     train_path: str | None = Field(None, description="jsonl: training prompts file.")
     eval_path: str | None = Field(None, description="jsonl: held-out prompts file (default: a held-out 10% of train_path).")
     reward: str | None = Field(None, description="Reward function `f(prompt, response, answer) -> float`: a built-in name (`exact_match`, `last_number`, `boxed`, `gsm8k`, `math_verify`), `module:function` importable from the working directory, or `path/to/file.py:function`. Required for jsonl; overrides a built-in task's own reward.")

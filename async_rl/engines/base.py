@@ -42,6 +42,7 @@ class GenerationEngine(ABC):
     """
 
     version: int
+    eos_token_ids: list[int]  # the stop ids: a response that samples one ends there, finished
     step_hook: Callable[[], None] | None = None
 
     def _between_steps(self) -> None:

@@ -71,9 +71,10 @@ class Episode:
         self.versions += [self.versions[-1]] * len(tokens)
         self.mask += [0] * len(tokens)
 
-    def fail(self, reward: float) -> None:
-        """The environment failed (guard.py counted it): the episode ends, scored `reward`."""
-        self.reward = reward
+    def fail(self, reward: float, reason: str) -> None:
+        """The environment failed for `reason` (guard.py counted it): the episode ends,
+        scored `reward`."""
+        self.reward, self.failure = reward, reason
         self.step_ends, self.step_rewards = ([len(self.tokens) - 1], [reward]) if self.tokens else ([], [])
         self.done = True
 

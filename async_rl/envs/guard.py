@@ -49,15 +49,15 @@ def checked_turn(value: object) -> Turn:
 
 class EnvironmentGuard:
     """`start(prompt)` and `step(env, action)` raise only EnvironmentFailed; `failed`
-    counts and logs a failure (the first of each reason) and returns `fallback`."""
+    logs a failure (the first of each reason) and returns `fallback`. The episode that
+    failed carries the reason (Episode.failure), and its group the counts."""
 
     def __init__(self, factory: EnvironmentFactory, fallback: float = 0.0, name: str | None = None,
                  logger: logging.Logger = log) -> None:
         self.factory, self.fallback, self.log = factory, float(fallback), logger
         self.name = name or getattr(factory, "__qualname__", None) or repr(factory)
         self._lock = threading.Lock()
-        self._pending = [0] * len(REASONS)
-        self.totals = [0] * len(REASONS)
+        self.totals = [0] * len(REASONS)  # since construction; decides which failure is the first
 
     def start(self, prompt: Prompt) -> Environment:
         try:
@@ -80,7 +80,6 @@ class EnvironmentGuard:
     def failed(self, failure: EnvironmentFailed) -> float:
         i = REASONS.index(failure.reason)
         with self._lock:
-            self._pending[i] += 1
             self.totals[i] += 1
             first = self.totals[i] == 1
         if first:
@@ -88,9 +87,3 @@ class EnvironmentGuard:
                              "are counted (reward/errors_%s), not logged", self.name, str(failure).splitlines()[0],
                              self.fallback, failure.reason, failure.reason, exc_info=failure.__cause__)
         return self.fallback
-
-    def take_counts(self) -> list[int]:
-        """Failures per reason (REASONS order) since the previous call."""
-        with self._lock:
-            counts, self._pending = self._pending, [0] * len(REASONS)
-        return counts

@@ -66,26 +66,26 @@ def run_episodes(engine, prompt_format, turn_format: TurnFormat, guard: Environm
     episode j. Each Episode's `failure` names the reason its environment failed, if it did."""
     groups = [[Episode(prompt_format.encode(p), limits.max_turns, limits.max_tokens) for _ in range(group_size)]
               for p in prompts]
-    envs: dict[int, object] = {}
-    ready: list[Episode] = []
+    calls = _Calls(guard, limits.timeout_s)
     for p, episodes in zip(prompts, groups):
         for ep in episodes:
-            try:
-                envs[id(ep)] = guard.start(p)
-                ready.append(ep)
-            except EnvironmentFailed as failure:
-                _fail(ep, guard, failure)
-    pending: dict[cf.Future, tuple[Episode, float]] = {}
-    stops = set(getattr(engine, "eos_token_ids", []) or [])
-    while ready or pending:
-        if ready:
-            _policy_turns(engine, prompt_format, guard, envs, ready, limits, sampling, pending, generator)
-            ready = []
-        ready = _collect(turn_format, guard, pending, stops, limits, wait=not ready)
+            calls.start(ep, p)
+    stops = set(engine.eos_token_ids)
+    while calls.pending:
+        for ep, turn in calls.answers():
+            last = ep.tokens[-1] if ep.tokens else None
+            ep.add_environment_turn(turn, turn_format.tokens(turn.messages, last if last in stops else None)
+                                    if not turn.done else [])
+            if not ep.done:
+                calls.ready.append(ep)
+        if calls.ready:
+            ready, calls.ready = calls.ready, []
+            _policy_turns(engine, prompt_format, calls, ready, limits, sampling, generator)
     return groups
 
 
-def _policy_turns(engine, prompt_format, guard, envs, ready, limits, sampling, pending, generator) -> None:
+def _policy_turns(engine, prompt_format, calls: "_Calls", ready: list[Episode], limits: EpisodeLimits,
+                  sampling: Sampling, generator) -> None:
     """One batched turn for every ready episode; each turn's text goes to its environment."""
     budget = max(ep.budget() for ep in ready)
     completions = engine.generate([ep.prefix() for ep in ready], n=1, max_new_tokens=min(limits.turn_tokens, budget),
@@ -96,40 +96,50 @@ def _policy_turns(engine, prompt_format, guard, envs, ready, limits, sampling, p
             n = ep.budget()
             c = type(c)(c.tokens[:n], c.logprobs[:n], c.versions[:n], False)
         ep.add_policy_turn(c)
-        if ep.done:
-            continue
-        action = prompt_format.response_text(c.tokens.tolist())
-        pending[call_in_thread(guard.step, envs[id(ep)], action)] = (ep, time.monotonic() + limits.timeout_s)
-
-
-def _collect(turn_format, guard, pending, stops, limits, wait: bool) -> list[Episode]:
-    """The episodes whose environment answered (waiting for the first answer, or the
-    first deadline, when `wait`); those past their deadline fail."""
-    if wait and pending:
-        deadline = min(d for _, d in pending.values())
-        cf.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()), return_when=cf.FIRST_COMPLETED)
-        # Answers that come within a moment join the same batch: fast environments all
-        # answer together, and one slow one holds the others no longer than this.
-        cf.wait(list(pending), timeout=GATHER_S, return_when=cf.ALL_COMPLETED)
-    ready, now = [], time.monotonic()
-    for future in [f for f in pending if f.done() or pending[f][1] <= now]:
-        ep, _ = pending.pop(future)
-        if not future.done():
-            _fail(ep, guard, EnvironmentFailed("timeout", f"ran past env.timeout_s={limits.timeout_s:g}s"))
-            continue
-        try:
-            turn = future.result()
-        except EnvironmentFailed as failure:
-            _fail(ep, guard, failure)
-            continue
-        last = ep.tokens[-1]
-        ep.add_environment_turn(turn, turn_format.tokens(turn.messages, last if last in stops else None)
-                                if not turn.done else [])
         if not ep.done:
-            ready.append(ep)
-    return ready
+            calls.step(ep, prompt_format.response_text(c.tokens.tolist()))
 
 
-def _fail(ep: Episode, guard: EnvironmentGuard, failure: EnvironmentFailed) -> None:
-    ep.fail(guard.failed(failure))
-    ep.failure = failure.reason
+class _Calls:
+    """The environment calls in flight, one per episode at most: starting an episode's
+    environment (its factory) or answering its last turn."""
+
+    def __init__(self, guard: EnvironmentGuard, timeout_s: float) -> None:
+        self.guard, self.timeout_s = guard, timeout_s
+        self.pending: dict[cf.Future, tuple[Episode, float, bool]] = {}  # -> (episode, deadline, is_start)
+        self.envs: dict[int, object] = {}
+        self.ready: list[Episode] = []  # episodes waiting on the policy
+
+    def start(self, ep: Episode, prompt: Prompt) -> None:
+        self.pending[call_in_thread(self.guard.start, prompt)] = (ep, time.monotonic() + self.timeout_s, True)
+
+    def step(self, ep: Episode, action: str) -> None:
+        future = call_in_thread(self.guard.step, self.envs[id(ep)], action)
+        self.pending[future] = (ep, time.monotonic() + self.timeout_s, False)
+
+    def answers(self) -> list[tuple[Episode, object]]:
+        """(episode, Turn) of each step answered; started environments join `ready` and
+        failed episodes end. Waits (until the first answer or deadline) only when no
+        episode is ready for the policy."""
+        if not self.ready and self.pending:
+            deadline = min(d for _, d, _ in self.pending.values())
+            cf.wait(list(self.pending), timeout=max(0.0, deadline - time.monotonic()), return_when=cf.FIRST_COMPLETED)
+            # Answers that come within a moment join the same batch: fast environments all
+            # answer together, and one slow one holds the others no longer than this.
+            cf.wait(list(self.pending), timeout=GATHER_S, return_when=cf.ALL_COMPLETED)
+        out, now = [], time.monotonic()
+        for future in [f for f, (_, deadline, _) in self.pending.items() if f.done() or deadline <= now]:
+            ep, _, is_start = self.pending.pop(future)
+            try:
+                if not future.done():
+                    raise EnvironmentFailed("timeout", f"ran past env.timeout_s={self.timeout_s:g}s")
+                value = future.result()
+            except EnvironmentFailed as failure:
+                ep.fail(self.guard.failed(failure), failure.reason)
+                continue
+            if is_start:
+                self.envs[id(ep)] = value
+                self.ready.append(ep)
+            else:
+                out.append((ep, value))
+        return out

@@ -56,6 +56,7 @@ def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float,
     if any(len(g.policy_mask) for g in groups):  # multi-turn episodes
         turns = policy_turns(groups)
         metrics.update({"env/turns_mean": float(turns.mean()), "env/turns_max": float(turns.max()),
+                        "env/multi_turn_frac": float((turns > 1).mean()),
                         "env/policy_token_frac": float(np.concatenate([g.policy_mask for g in groups]).mean())})
     texts = None
     if cfg.metrics.text_every and (learner_version + 1) % cfg.metrics.text_every == 0:

@@ -13,9 +13,11 @@ from typing import Any
 from async_rl.tasks.arithmetic import ArithmeticTask, exact_match
 from async_rl.tasks.base import EVAL_ID_OFFSET, Prompt, RewardFn, Task, is_eval_id, load_reward_fn
 from async_rl.tasks.jsonl import JsonlTask, read_jsonl
+from async_rl.tasks.tool_problems import ToolProblemsTask
 from async_rl.tasks.word_problems import WordProblemsTask
 
-TASKS = {"arithmetic": ArithmeticTask, "word_problems": WordProblemsTask, "jsonl": JsonlTask}
+TASKS = {"arithmetic": ArithmeticTask, "word_problems": WordProblemsTask, "tool_problems": ToolProblemsTask,
+         "jsonl": JsonlTask}
 
 
 class WithReward:
@@ -72,6 +74,7 @@ __all__ = [
     "RewardFn",
     "TASKS",
     "Task",
+    "ToolProblemsTask",
     "WithReward",
     "WordProblemsTask",
     "exact_match",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from async_rl.tasks.base import EVAL_ID_OFFSET, Prompt
+from async_rl.tasks.generated import GeneratedTask
 from async_rl.tasks.rewards import last_number
 
 INSTRUCTION = " Answer with just the number."
@@ -49,44 +49,24 @@ def _two_boxes(a: int, b: int, name: str, thing: str) -> tuple[str, int]:
 TEMPLATES = ((_plus, 0.3), (_minus, 0.2), (_gets_more, 0.2), (_gives_away, 0.2), (_two_boxes, 0.1))
 
 
-class WordProblemsTask:
+class WordProblemsTask(GeneratedTask):
     """Operands 1..`max_operand`; differences are never negative."""
+
+    NAME, EVAL_SALT = "word_problems", 0x3A7
 
     def __init__(self, *, seed: int, eval_size: int = 256, eval_seed: int = 0, max_operand: int = 20,
                  instruction: str = INSTRUCTION) -> None:
         if max_operand < 2:
             raise ValueError(f"word_problems: max_operand must be >= 2, got {max_operand}")
-        if not 1 <= eval_size <= 5000:
-            raise ValueError(f"word_problems: eval_size must be in 1..5000, got {eval_size}")
-        self.seed, self.max_operand, self.instruction = int(seed), max_operand, instruction
+        self.max_operand, self.instruction = max_operand, instruction
         self._weights = np.array([w for _, w in TEMPLATES])
-        self._eval: list[tuple[str, str]] = []
-        seen: set[str] = set()
-        rng = np.random.default_rng([eval_seed, 0x3A7])
-        while len(self._eval) < eval_size:
-            question, answer = self._draw(rng)
-            if question not in seen:
-                seen.add(question)
-                self._eval.append((question, answer))
-        self._reserved = seen
+        super().__init__(seed=seed, eval_size=eval_size, eval_seed=eval_seed)
 
     def _draw(self, rng: np.random.Generator) -> tuple[str, str]:
         template = TEMPLATES[int(rng.choice(len(TEMPLATES), p=self._weights))][0]
         a, b = (int(x) for x in rng.integers(1, self.max_operand + 1, size=2))
         question, answer = template(a, b, NAMES[int(rng.integers(len(NAMES)))], THINGS[int(rng.integers(len(THINGS)))])
         return question + self.instruction, str(answer)
-
-    def train_prompt(self, index: int) -> Prompt:
-        if index < 0:
-            raise IndexError(f"prompt index must be >= 0, got {index}")
-        rng = np.random.default_rng([self.seed, index])
-        while True:  # the held-out set is a tiny part of the space: this loop almost always runs once
-            question, answer = self._draw(rng)
-            if question not in self._reserved:
-                return Prompt(id=index, text=question, answer=answer)
-
-    def eval_prompts(self) -> list[Prompt]:
-        return [Prompt(id=EVAL_ID_OFFSET + k, text=q, answer=a) for k, (q, a) in enumerate(self._eval)]
 
     def reward(self, prompt: str, response: str, answer: str) -> float:
         return last_number(prompt, response, answer)

@@ -43,6 +43,7 @@ def test_a_run_trains_on_multi_turn_episodes_of_a_users_environment(tmp_path, ch
     steps, evals = read_metrics(run)
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert max(s["env/turns_max"] for s in steps) == 2 and all(s["env/policy_token_frac"] < 1 for s in steps)
+    assert max(s["env/multi_turn_frac"] for s in steps) > 0
     assert all(math.isfinite(s["loss/total"]) and s["reward/errors"] == 0 for s in steps)
     assert evals and all(0.0 <= e["eval/reward_mean"] <= 1.0 for e in evals)
 

@@ -259,3 +259,38 @@ def test_the_gpu_paths_payloads_fit_vllms_nccl_engine() -> None:
     assert (init.rank_offset, init.world_size, init.packed, init.packed_buffer_size_bytes) == (2, 3, True, 2 * 2**20)
     update = NCCLWeightTransferEngine.update_info_cls(**place.update_info)
     assert update.names == [n for n, _, _ in specs] and update.dtype_names == ["bfloat16", "bfloat16"]
+
+
+def test_a_multi_turn_episode_on_vllm_is_scored_as_sampled(engine, model_dir) -> None:
+    """Two policy turns from vLLM with an environment's tokens between them, as one
+    sample: the learner's log-probs of the policy's tokens are vLLM's (envs/episode.py)."""
+    import numpy as np
+
+    from async_rl.batching import build_batch
+    from async_rl.engines import Completion
+    from async_rl.envs import Episode, Turn, TurnFormat
+    from async_rl.prompting import PromptFormat
+    from async_rl.train_step import forward_logp
+    from async_rl.transport import ExperienceGroup
+
+    tok = build_tokenizer()
+    turns = TurnFormat(PromptFormat(tok, chat_template=False))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    ep = Episode(PROMPTS[0], max_turns=2, max_tokens=64)
+    for turn in range(2):
+        [[c]] = engine.generate([ep.prefix()], n=1, max_new_tokens=5, temperature=1.0, generator=gen)
+        ep.add_policy_turn(Completion(c.tokens, c.logprobs, c.versions, finished=True))  # closed, as if it stopped
+        observation = [{"role": "user", "content": "12+3"}]
+        ep.add_environment_turn(Turn(observation, reward=1.0, done=turn == 1), turns.tokens(observation, None))
+    response = ep.response()
+    group = ExperienceGroup.from_responses(
+        [response], actor_id=0, group=0, prompt_id=0, version=0, prompt_tokens=np.asarray(PROMPTS[0], np.int32),
+        rewards=np.ones(1, np.float32), truncated=np.zeros(1, np.uint8), gen_seconds=0.0)
+    batch = build_batch([group], pad_id=0)
+    with torch.no_grad():
+        logp, _ = forward_logp(model, batch, temperature=1.0)
+    scored = batch.loss_mask[0].bool()
+    assert int(scored.sum()) == int(response.policy_mask.sum()) and len(response.tokens) > int(scored.sum())
+    torch.testing.assert_close(logp[0][scored], torch.from_numpy(response.logprobs[response.policy_mask == 1]),
+                               atol=2e-4, rtol=0)

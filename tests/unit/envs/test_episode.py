@@ -50,9 +50,9 @@ def test_a_failed_environment_ends_the_episode_with_the_fallback_as_its_one_step
     ep.add_policy_turn(_completion([5, 6]))
     ep.add_environment_turn(Turn([{"role": "user", "content": "x"}], reward=1.0), tokens=[90])
     ep.add_policy_turn(_completion([7]))
-    ep.fail(-1.0)
+    ep.fail(-1.0, "raised")
     r = ep.response()
-    assert ep.done and ep.reward == -1.0 and r.step_ends.tolist() == [3] and r.step_rewards.tolist() == [-1.0]
+    assert ep.done and ep.reward == -1.0 and ep.failure == "raised" and r.step_ends.tolist() == [3] and r.step_rewards.tolist() == [-1.0]
 
 
 def test_the_learner_scores_the_policys_tokens_as_the_engine_sampled_them(chat_model):
