@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, read_metrics, subprocess_env, train
 
 ENV = '''
@@ -55,3 +56,24 @@ def test_a_bad_environment_is_one_line_before_the_run_starts(tmp_path, chat_mode
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "env.name" in lines[0] and "no file" in lines[0], proc.stderr
+
+
+@pytest.mark.extended
+def test_the_environment_in_the_docs_trains(tmp_path, chat_model):
+    """docs/environments.md's example, as a user copies it: its environment file, a JSONL
+    task of numbers to guess, and the documented overrides (on a tiny chat model)."""
+    import json
+    import re
+
+    doc = (ROOT / "docs" / "environments.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", doc, re.DOTALL) if "def make(prompt)" in block)
+    (tmp_path / "guess_env.py").write_text(code)
+    data = tmp_path / "guess.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "Guess my number between 1 and 100.", "answer": str(n)}) + "\n"
+                            for n in range(1, 41)))
+    run = tmp_path / "run"
+    train(run, chat_model, "task.name=jsonl", f"task.train_path={data}", "task.reward=exact_match",
+          f"env.name={tmp_path / 'guess_env.py'}:make", "env.max_turns=6", "env.max_tokens=128",
+          "actors.max_new_tokens=6", "actors.stop=[e]", "train.max_steps=2", "learner.ranks=1", "eval.every=0")
+    steps, _ = read_metrics(run)
+    assert [s["step"] for s in steps] == [1, 2] and max(s["env/turns_max"] for s in steps) >= 2

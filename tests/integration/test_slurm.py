@@ -214,6 +214,7 @@ def _trained_across_the_bed(bed, run, log: str) -> None:
     assert "learner.sh: node 1 waiting for node 0" in log, log[-3000:]
 
 
+@pytest.mark.extended
 def test_the_sbatch_script_spans_learner_nodes_and_an_actor_node(slurm_bed, tmp_path, demo_model):
     bed, env = slurm_bed
     log, run = _sbatch_on_bed(bed, {**env, "LEARNER_NODES": "2"}, tmp_path, ["--nodes=3"], demo_model)

@@ -275,7 +275,8 @@ def test_a_multi_turn_episode_on_vllm_is_scored_as_sampled(engine, model_dir) ->
 
     tok = build_tokenizer()
     turns = TurnFormat(PromptFormat(tok, chat_template=False))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = learner_like(model_dir, seed=7)  # the engine's weights: earlier tests synced others into it
+    sync(engine, model, version=engine.version + 1)
     gen = torch.Generator().manual_seed(2)
     ep = Episode(PROMPTS[0], max_turns=2, max_tokens=64)
     for turn in range(2):
