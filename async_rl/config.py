@@ -39,9 +39,11 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["arithmetic", "word_problems", "tool_problems", "jsonl"] = Field("arithmetic", description="Prompt source: built-in `arithmetic` (a+b=, for the demo model), built-in `word_problems` (arithmetic and one-step word problems in English, for chat models), built-in `tool_problems` (word problems with two-digit products, posed with a worked example of the calculator tool, for `env.name: calculator`) or `jsonl` (lines with `answer` and either `prompt` or `messages`).")
+    name: Literal["arithmetic", "word_problems", "tool_problems", "jsonl", "reasoning_gym"] = Field("arithmetic", description="Prompt source: built-in `arithmetic` (a+b=, for the demo model), built-in `word_problems` (arithmetic and one-step word problems in English, for chat models), built-in `tool_problems` (word problems with two-digit products, posed with a worked example of the calculator tool, for `env.name: calculator`), `jsonl` (lines with `answer` and either `prompt` or `messages`) or `reasoning_gym` (a dataset of the reasoning-gym package, scored by its own score_answer; `pip install 'async-rl[reasoning-gym]'`).")
     digits: int = Field(2, ge=1, le=6, description="arithmetic: digits per operand.")
     eval_size: int = Field(256, ge=1, description="arithmetic, word_problems, tool_problems: number of held-out prompts, never trained on (jsonl: see eval_path).")
+    dataset: str | None = Field(None, description="reasoning_gym: the dataset's name (e.g. `leg_counting`, `basic_arithmetic`; `reasoning_gym.factory.DATASETS` lists them).")
+    dataset_options: dict[str, Any] = Field(default_factory=dict, description="reasoning_gym: fields of the dataset's config (e.g. `{max_animals: 4}`); `size` = the training pool's entries (default 10000), walked epoch by epoch.")
     train_path: str | None = Field(None, description="jsonl: training prompts file.")
     eval_path: str | None = Field(None, description="jsonl: held-out prompts file (default: a held-out 10% of train_path).")
     reward: str | None = Field(None, description="Reward function `f(prompt, response, answer) -> float`: a built-in name (`exact_match`, `last_number`, `boxed`, `gsm8k`, `math_verify`), `module:function` importable from the working directory, or `path/to/file.py:function`. Required for jsonl; overrides a built-in task's own reward.")
@@ -179,11 +181,12 @@ class MetricsConfig(_Section):
 
 
 class EnvConfig(_Section):
-    name: str | None = Field(None, description="Multi-turn episodes: the environment that answers the policy's turns (docs/environments.md): built-in `calculator` (a tool the policy calls as <calc>expression</calc>; its final turn is scored by the task's reward), or a factory `module:function` / `path/to/file.py:function` taking a task prompt and returning an object with `step(action) -> Turn`. null = single-turn (prompt -> response -> reward).")
+    name: str | None = Field(None, description="Multi-turn episodes: the environment that answers the policy's turns (docs/environments.md): built-in `calculator` (a tool the policy calls as <calc>expression</calc>; its final turn is scored by the task's reward), or a skyrl-gym text environment `skyrl_gym/<id>` run unchanged (e.g. `skyrl_gym/gsm8k_multi_turn`; `pip install 'async-rl[skyrl]'`), or a factory `module:function` / `path/to/file.py:function` taking a task prompt and returning an object with `step(action) -> Turn`. null = single-turn (prompt -> response -> reward).")
     max_turns: int = Field(4, ge=1, description="Policy turns per episode; an episode still going after them ends truncated.")
     max_tokens: int = Field(256, ge=1, description="Tokens of an episode after its prompt (the policy's and the environment's); an episode that reaches it ends truncated.")
     turn_tokens: int | None = Field(None, ge=1, description="New tokens per policy turn (null = actors.max_new_tokens); a turn cut there ends its episode truncated.")
     timeout_s: float = Field(10.0, gt=0.0, description="An environment call (its factory, one step) running longer fails its episode: scored reward.fallback and counted (reward/errors_timeout).")
+    options: dict[str, Any] = Field(default_factory=dict, description="`skyrl_gym/<id>`: the environment's `env_config` (SkyRL's `environment.skyrl_gym.<id>` section).")
 
 
 class CheckpointConfig(_Section):
@@ -246,6 +249,10 @@ class Config(_Section):
             raise ValueError("eval.pass_k: greedy decoding gives k identical samples; set eval.temperature > 0")
         if self.train.overlong.penalty_tokens >= self.actors.max_new_tokens:
             raise ValueError(f"train.overlong.penalty_tokens: must be below actors.max_new_tokens={self.actors.max_new_tokens}")
+        if self.task.name == "reasoning_gym" and not self.task.dataset:
+            raise ValueError("task.dataset: required when task.name=reasoning_gym")
+        if self.task.name == "reasoning_gym" and self.task.reward:
+            raise ValueError("task.reward: reasoning_gym tasks are scored by their dataset's own score_answer")
         if self.task.name == "jsonl" and (not self.task.train_path or not self.task.reward):
             key = "task.train_path" if not self.task.train_path else "task.reward"
             raise ValueError(f"{key}: required when task.name=jsonl")

@@ -54,6 +54,9 @@ def make_task_from_config(cfg: Config):
     t = cfg.task
     if t.name == "jsonl":
         return make_task("jsonl", seed=cfg.seed, path=t.train_path, eval_path=t.eval_path, reward=t.reward)
+    if t.name == "reasoning_gym":
+        return make_task("reasoning_gym", seed=cfg.seed, dataset=t.dataset, options=t.dataset_options,
+                         eval_size=t.eval_size, system_prompt=t.system_prompt)
     options = {"digits": t.digits} if t.name == "arithmetic" else {}
     task = make_task(t.name, seed=cfg.seed, eval_size=t.eval_size, **options)
     return WithReward(task, load_reward_fn(t.reward)) if t.reward else task

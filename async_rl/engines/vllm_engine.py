@@ -206,22 +206,25 @@ class VLLMEngine(GenerationEngine):
         if self._cache_version != self.version:  # no request runs now: the reset cannot fail
             self.llm.reset_prefix_cache()
             self._cache_version = self.version
-        # One seed per call drawn from the actor's generator: reproducible, and distinct per batch.
-        seed = None if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+        # Seeds drawn from the actor's generator: reproducible, and one per request, since
+        # requests that share a seed and a prompt (a group's episodes) would sample alike.
+        seed = None if generator is None else int(torch.randint(0, 2**31 - 1 - len(prompts), (1,), generator=generator))
         copies, n = (n, 1) if greedy else (1, n)  # vLLM refuses n > 1 when greedy: the samples are equal anyway
-        params = self._sampling_params(
+        params = [self._sampling_params(
             n=n, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p, seed=seed, logprobs=0, output_kind=self._final_only,
+            top_p=1.0 if greedy else top_p, seed=None if seed is None else seed + i, logprobs=0,
+            output_kind=self._final_only,
             # Stop exactly on our stop ids (as TorchEngine), not on generation-config extras.
             ignore_eos=True, stop_token_ids=self.eos_token_ids or None,
             # Stop strings need vLLM's detokenizer; the token that completes one is kept, as in TorchEngine.
             stop=self.stop_strings or None, include_stop_str_in_output=True, detokenize=bool(self.stop_strings))
+            for i in range(len(prompts))]
         engine = self.llm.llm_engine
         self._calls += 1
         inputs = engine.renderer.render_cmpl([{"prompt_token_ids": list(p)} for p in prompts])
         index = {f"{self._calls}-{i}": i for i in range(len(prompts))}  # our request ids, which outputs carry
-        for request_id, x in zip(index, inputs):
-            engine.add_request(request_id, x, params)
+        for request_id, x, request_params in zip(index, inputs, params):
+            engine.add_request(request_id, x, request_params)
         outputs: dict[int, Any] = {}
         version = self.version  # every token's, unless vLLM's spans say otherwise (an in-flight update)
         try:

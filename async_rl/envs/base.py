@@ -6,6 +6,8 @@ answering each of the policy's turns.
     class Environment:
         def step(self, action: str) -> Turn:       # the policy's turn, as text
             ...
+        def close(self) -> None:                   # optional: called after the episode ends
+            ...
 
 The policy speaks first: its turn answers the prompt (the task's prompt, rendered with
 the chat template). The environment answers with a `Turn`: messages to append to the

@@ -77,6 +77,16 @@ class EnvironmentGuard:
             raise EnvironmentFailed("raised", f"raised {type(err).__name__}: {err}") from err
         return checked_turn(value)
 
+    def close(self, env: Environment) -> None:
+        """The environment's `close()`, when it has one; a failure is logged, never raised
+        (the episode is already scored)."""
+        close = getattr(env, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as err:
+                self.log.debug("environment %s: close() raised %s: %s", self.name, type(err).__name__, err)
+
     def failed(self, failure: EnvironmentFailed) -> float:
         i = REASONS.index(failure.reason)
         with self._lock:

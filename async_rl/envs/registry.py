@@ -1,4 +1,3 @@
-"""`env.name` to an environment factory: a built-in name or user code."""
 from __future__ import annotations
 
 from functools import partial
@@ -6,16 +5,21 @@ from functools import partial
 from ..tasks.base import load_callable
 from .base import EnvironmentFactory
 from .calculator import Calculator
+from .skyrl_adapter import PREFIX as SKYRL_PREFIX
+from .skyrl_adapter import skyrl_factory
 
 BUILTIN = ("calculator",)
 
 
-def environment_factory(name: str, task) -> EnvironmentFactory:
+def environment_factory(name: str, task, options: dict | None = None, max_turns: int = 4) -> EnvironmentFactory:
     """The factory `env.name` names; `task`: the run's task, whose reward the built-in
-    environments score final answers with. ValueError in one line when it cannot load."""
+    environments score final answers with; `options` (env.options) and `max_turns` go to
+    skyrl-gym environments. ValueError in one line when it cannot load."""
     if name == "calculator":
         return partial(Calculator, score=task.reward)
+    if name.startswith(SKYRL_PREFIX):
+        return skyrl_factory(name, options or {}, max_turns)
     if ":" not in name:
         raise ValueError(f"env.name {name!r} must be a built-in environment ({', '.join(BUILTIN)}), "
-                         "'module:function' or 'path/to/file.py:function'")
+                         f"'{SKYRL_PREFIX}<id>', 'module:function' or 'path/to/file.py:function'")
     return load_callable(name, "env.name")

@@ -81,6 +81,7 @@ def run_episodes(engine, prompt_format, turn_format: TurnFormat, guard: Environm
         if calls.ready:
             ready, calls.ready = calls.ready, []
             _policy_turns(engine, prompt_format, calls, ready, limits, sampling, generator)
+    calls.close_all()
     return groups
 
 
@@ -116,6 +117,13 @@ class _Calls:
     def step(self, ep: Episode, action: str) -> None:
         future = call_in_thread(self.guard.step, self.envs[id(ep)], action)
         self.pending[future] = (ep, time.monotonic() + self.timeout_s, False)
+
+    def close_all(self) -> None:
+        """Every started environment's close(), each in a daemon thread of its own (user
+        code: it may hang, and no episode waits on it)."""
+        for env in self.envs.values():
+            call_in_thread(self.guard.close, env)
+        self.envs.clear()
 
     def answers(self) -> list[tuple[Episode, object]]:
         """(episode, Turn) of each step answered; started environments join `ready` and

@@ -25,7 +25,8 @@ def reward_errors(episodes: list[Episode]) -> list[int]:
 class EpisodeRunner:
     def __init__(self, cfg, task, prompt_format, logger=None) -> None:
         e = cfg.env
-        self.guard = EnvironmentGuard(environment_factory(e.name, task), fallback=cfg.reward.fallback, name=e.name,
+        factory = environment_factory(e.name, task, e.options, e.max_turns)
+        self.guard = EnvironmentGuard(factory, fallback=cfg.reward.fallback, name=e.name,
                                       **({"logger": logger} if logger is not None else {}))
         self.prompt_format, self.turns = prompt_format, TurnFormat(prompt_format)
         self.limits = EpisodeLimits(e.max_turns, e.max_tokens, e.turn_tokens or cfg.actors.max_new_tokens, e.timeout_s)

@@ -9,7 +9,7 @@ each reason once. The counts travel with every message (`reward_errors`), the le
 logs them (`reward/errors*`) and stops the run when too many of a step's samples were
 scored by the fallback (`reward.max_error_frac`).
 
-`async-rl train` stays strict at launch (launcher.check_task): a reward that fails on
+`async-rl train` stays strict at launch (launch_checks.check_task): a reward that fails on
 the sample answer is a config error there, not something to count.
 """
 from __future__ import annotations

@@ -168,3 +168,47 @@ def test_a_training_run_with_vllm_actors_learns(tmp_path) -> None:
     actor_log = (run.logs_dir / "actor-0.log").read_text()
     assert "synced to version 1 (epoch 1, vllm)" in actor_log
     assert "Traceback" not in actor_log
+
+
+RETRY_ENV = '''
+from async_rl.envs import Turn
+
+
+class Retry:
+    """A wrong answer gets the question again, once; an episode is rewarded 1 when right."""
+
+    def __init__(self, prompt):
+        self.prompt, self.turns = prompt, 0
+
+    def step(self, action):
+        self.turns += 1
+        if action.strip() == self.prompt.answer:
+            return Turn(reward=1.0, done=True)
+        if self.turns == 2:
+            return Turn(reward=0.0, done=True)
+        return Turn([{"role": "user", "content": self.prompt.text}])
+
+
+def make(prompt):
+    return Retry(prompt)
+'''
+
+
+def test_a_multi_turn_run_with_vllm_actors(tmp_path) -> None:
+    """Episodes on vLLM actors: every turn of the episodes waiting on the policy batched
+    into vLLM, the environment's tokens in between, and the run trains on them."""
+    (tmp_path / "retry_env.py").write_text(RETRY_ENV)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", "configs/demo.yaml", "actors.engine=vllm",
+                           f"env.name={tmp_path / 'retry_env.py'}:make", "env.max_turns=2", "env.max_tokens=16",
+                           "train.max_steps=30", "eval.every=30", "checkpoint.every=0", f"run_dir={run_dir}"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = RunDir(run_dir)
+    steps, evals = run.steps_and_evals()
+    assert len(steps) == 30 and max(s["staleness/max"] for s in steps) <= 1
+    assert max(s["env/turns_max"] for s in steps) == 2 and all(0 < s["env/multi_turn_frac"] < 1 for s in steps[:5])
+    assert all(s["env/policy_token_frac"] < 1 and s["reward/errors"] == 0 for s in steps)
+    assert [e["step"] for e in evals] == [0, 30]
+    actor_log = (run.logs_dir / "actor-0.log").read_text()
+    assert "(epoch 1, vllm)" in actor_log and "Traceback" not in actor_log

@@ -295,3 +295,15 @@ def test_a_multi_turn_episode_on_vllm_is_scored_as_sampled(engine, model_dir) ->
     assert int(scored.sum()) == int(response.policy_mask.sum()) and len(response.tokens) > int(scored.sum())
     torch.testing.assert_close(logp[0][scored], torch.from_numpy(response.logprobs[response.policy_mask == 1]),
                                atol=2e-4, rtol=0)
+
+
+def test_the_same_prompt_in_several_requests_samples_differently(engine, model_dir) -> None:
+    """A group's episodes are one request each (n=1): each request has its own seed, or
+    all of them would sample the same tokens and the group would have nothing to learn."""
+    sync(engine, learner_like(model_dir, seed=7), version=engine.version + 1)  # less peaked than the base
+    gen = torch.Generator().manual_seed(0)
+    out = engine.generate([PROMPTS[2]] * 6, n=1, max_new_tokens=6, temperature=1.0, generator=gen)
+    assert len({tuple(c.tokens.tolist()) for [c] in out}) > 1
+    again = engine.generate([PROMPTS[2]] * 6, n=1, max_new_tokens=6, temperature=1.0,
+                            generator=torch.Generator().manual_seed(0))
+    assert [c.tokens.tolist() for [c] in again] == [c.tokens.tolist() for [c] in out]  # still reproducible
