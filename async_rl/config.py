@@ -32,10 +32,19 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraConfig(_Section):
+    rank: int = Field(0, ge=0, le=1024, description="LoRA rank (peft): train low-rank adapters on a frozen base, and send only the adapters to the actors (docs/lora.md); 0 = full fine-tuning.")
+    alpha: float = Field(32.0, gt=0.0, description="LoRA scaling numerator: the adapter's update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input during training (the actors sample without it, as a policy's log-probs must match).")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], description="Names of the linear layers that get adapters (the last part of a module's name; the default fits Llama, Qwen, Mistral and SmolLM); a name the model does not have is a config error.")
+    merged_final: bool = Field(False, description="Also write final/merged: the base with the adapter merged in, a plain HF model directory (final/ itself is the peft adapter).")
+
+
 class ModelConfig(_Section):
     path: str = Field("demo", description="HF causal-LM directory, or `demo` to build the built-in 132k-parameter arithmetic model (with its supervised warm start) into RUN_DIR/base_model.")
     warm_start_accuracy: float = Field(0.3, ge=0.0, le=1.0, description="Demo model only: stop the supervised warm start at this held-out greedy accuracy.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device for learner and actors; `auto` = cuda when available.")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
 class TaskConfig(_Section):
@@ -260,6 +269,8 @@ class Config(_Section):
             raise ValueError("security.keys_dir: required when security.curve=true (make keys with `async-rl keys DIR`)")
         if self.sync.transport in ("nccl", "cuda_ipc") and self.model.device == "cpu":
             raise ValueError(f"sync.transport: {self.sync.transport} needs model.device=cuda (CPU weights go over gloo)")
+        if self.model.lora.rank and self.actors.engine == "vllm" and self.sync.in_flight:
+            raise ValueError("sync.in_flight: vLLM actors switch LoRA adapters between requests, not mid-generation")
         if self.actors.engine == "vllm" and self.sync.transport != "auto":
             raise ValueError(f"sync.transport: {self.sync.transport} cannot reach vLLM actors, which take vLLM's "
                              "weight transfer (NCCL on a GPU, gloo on a CPU); leave it auto")

@@ -39,6 +39,21 @@ def check_engine(cfg: Config, model: bool = False) -> None:
             raise ConfigError(str(err)) from None
 
 
+def check_lora(cfg: Config) -> None:
+    """model.lora: peft importable and every target module a linear layer of the model."""
+    if not cfg.model.lora.rank:
+        return
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ConfigError("model.lora.rank: LoRA needs the peft package: pip install 'async-rl[lora]'") from None
+    from .lora import check_targets
+
+    problem = check_targets(cfg.model.path, cfg.model.lora.target_modules)
+    if problem:
+        raise ConfigError(problem)
+
+
 def task_of(cfg: Config):
     """The run's task, or a ConfigError in one line."""
     try:

@@ -30,7 +30,7 @@ from .checkpoint_integrity import latest_intact_checkpoint
 from .config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
 from .run_lock import RunLock
 from .run_dir import RunDir
-from .launch_checks import check_engine, check_task, task_of
+from .launch_checks import check_engine, check_lora, check_task, task_of
 from .runtime import LAUNCHER_ENV, child_of, resolve_device, write_status
 
 log = logging.getLogger("async_rl.launch")
@@ -86,6 +86,7 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
     elif not (Path(cfg.model.path) / "config.json").exists():
         raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json)")
     check_engine(cfg, model=True)
+    check_lora(cfg)
     check_task(cfg)
     chosen = choose_learner_ranks(cfg)
     if chosen:

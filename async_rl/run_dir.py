@@ -11,7 +11,7 @@
       endpoints.json   the hub's addresses and the pids of the learner and live actors
       trace.json       the timeline, Chrome trace format (async_rl/tracing.py)
       checkpoints/     resumable checkpoints (async_rl/checkpoint.py)
-      final/           the trained model, a Hugging Face directory
+      final/           the trained model, a Hugging Face directory (LoRA: a peft adapter)
       logs/ tb/        process logs; TensorBoard events
       base_model/      the demo model a run with model.path=demo starts from
       analysis/        figures written by the analysis scripts
@@ -40,7 +40,7 @@ ENDPOINTS_FILE = "endpoints.json"
 TRACE_FILE = "trace.json"
 CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
-FINAL_WEIGHTS = "model.safetensors"
+FINAL_WEIGHTS = ("model.safetensors", "adapter_model.safetensors")  # a whole model, or a LoRA adapter
 LOGS_DIR = "logs"
 TENSORBOARD_DIR = "tb"
 BASE_MODEL_DIR = "base_model"
@@ -260,7 +260,7 @@ class RunDir:
 
     def final_model(self) -> Path | None:
         """final/ once the learner has written its weights there; else None."""
-        return self.final_dir if (self.final_dir / FINAL_WEIGHTS).exists() else None
+        return self.final_dir if any((self.final_dir / name).exists() for name in FINAL_WEIGHTS) else None
 
     def load(self) -> Run:
         """Everything the analysis scripts read, at once."""

@@ -47,6 +47,7 @@ class Models:
     reference: torch.nn.Module | None = None  # frozen initial policy, when train.kl.coef > 0
     critic: torch.nn.Module | None = None  # value model, when train.advantage = gae
     critic_optimizer: torch.optim.Optimizer | None = None
+    reference_is_base: bool = False  # LoRA: the reference is the policy with its adapters disabled
 
 
 def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False, entropy_grad: bool = False,
@@ -157,6 +158,11 @@ def _prepare(cfg: Config, models: Models, local: Batch, layouts: dict[Micro, pac
         prox = _no_grad_pass(logp_of(models.policy), local, layouts)
     if models.reference is not None:
         ref = _no_grad_pass(logp_of(models.reference), local, layouts)
+    elif models.reference_is_base:
+        from .lora import base_only
+
+        with base_only(models.policy):
+            ref = _no_grad_pass(logp_of(models.policy), local, layouts)
     if models.critic is not None:
         values = _no_grad_pass(lambda b, _: forward_values(models.critic, b), local, layouts)
     if ref is not None and t.kl.mode == "reward":
@@ -264,7 +270,7 @@ def _skips_zero_advantage(cfg: Config, models: Models) -> bool:
     PPO loss is A times a function of the log-probs, and no other term reads the group."""
     t = cfg.train
     return (cfg.learner.skip_zero_advantage and t.loss == "ppo" and t.minibatches == 1 and t.entropy_coef == 0
-            and models.reference is None and models.critic is None)
+            and models.reference is None and not models.reference_is_base and models.critic is None)
 
 
 def _group_signal(x: Prepared, group_size: int) -> torch.Tensor:

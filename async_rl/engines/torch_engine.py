@@ -90,9 +90,12 @@ class TorchEngine(GenerationEngine):
         pad_token_id: int | None = None,
         stop_strings: Sequence[str] = (),
         tokenizer: object | None = None,
+        lora=None,
     ) -> None:
         """`stop_strings` end a response as soon as its text contains one (the token that
-        completes it is kept); they need the `tokenizer` to read the text."""
+        completes it is kept); they need the `tokenizer` to read the text. `lora` (the
+        config's model.lora): the model gets the learner's adapters, and a sync carries
+        those alone."""
         if isinstance(model_or_path, nn.Module):
             model = model_or_path
         else:
@@ -100,6 +103,12 @@ class TorchEngine(GenerationEngine):
 
             model = AutoModelForCausalLM.from_pretrained(str(model_or_path), dtype=dtype)
         self.device = torch.device(device)
+        self.lora = lora
+        base = model
+        if lora is not None:
+            from ..lora import with_adapters
+
+            model = with_adapters(model, lora)
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.model.requires_grad_(False)  # weights only change through in-place sync
         self.version = 0
@@ -127,7 +136,7 @@ class TorchEngine(GenerationEngine):
         self._stop_window = max((len(s) for s in self.stop_strings), default=0) + 4
         # Only the last position's logits are needed; HF models that support
         # `logits_to_keep` then skip the [B, T, V] projection at prefill.
-        params = inspect.signature(self.model.forward).parameters
+        params = inspect.signature(base.forward).parameters  # peft's wrapper passes them through
         self._logits_to_keep = "logits_to_keep" in params
         # transformers 5.x renamed the KV-cache argument (`past_key_values` is deprecated).
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -140,6 +149,10 @@ class TorchEngine(GenerationEngine):
     def parameters_for_sync(self) -> list[tuple[str, torch.Tensor]]:
         # named_parameters() yields a tied tensor once, in registration order,
         # which is the same on the learner's copy of the same architecture.
+        if self.lora is not None:
+            from ..lora import adapter_parameters
+
+            return adapter_parameters(self.model)
         return list(self.model.named_parameters())
 
     @torch.no_grad()

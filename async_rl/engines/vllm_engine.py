@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from async_rl.engines.base import Completion, GenerationEngine
+from async_rl.weight_sync import WeightReceiver
 from async_rl.weight_sync.plan import Spec
 from async_rl.weight_sync.vllm import VLLMWeightReceiver, vllm_backend, wire_dtype
 from async_rl.weight_sync.vllm_api import require_vllm
@@ -136,6 +137,7 @@ class VLLMEngine(GenerationEngine):
         gpu_memory_utilization: float = 0.3,
         enforce_eager: bool = True,
         threads: int = 1,
+        lora: Any = None,
         **llm_kwargs: Any,
     ) -> None:
         if isinstance(model_or_path, nn.Module):
@@ -162,6 +164,11 @@ class VLLMEngine(GenerationEngine):
             memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
         else:
             memory = {"gpu_memory_utilization": gpu_memory_utilization}
+        if lora is not None:  # adapters per request; their tensors arrive over the plain weight sync
+            from async_rl.lora.vllm_adapters import VLLMAdapters, vllm_lora_options
+
+            llm_kwargs.update(vllm_lora_options(lora))
+        self.adapters = VLLMAdapters(lora, path, device) if lora is not None else None
         self._sampling_params = vllm.SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
         self.llm = vllm.LLM(model=path, dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -187,6 +194,8 @@ class VLLMEngine(GenerationEngine):
     def set_version(self, version: int) -> None:
         self.version = int(version)
         self.llm.update_weight_version(str(self.version))
+        if self.adapters is not None and self.version > 0:  # LoRA: the adapters just received, as a directory
+            self.adapters.publish(self.version)
 
     def parameters_for_sync(self) -> list[tuple[str, torch.Tensor]]:
         raise RuntimeError("the vLLM engine's weights live in vLLM's worker; "
@@ -194,10 +203,16 @@ class VLLMEngine(GenerationEngine):
 
     def sync_specs(self) -> list[Spec]:
         """(HF name, shape, wire dtype) of the synced parameters, in the learner's order."""
+        if self.adapters is not None:
+            return [(name, tuple(t.shape), t.dtype) for name, t in self.adapters.tensors]
         return list(self.specs)
 
-    def weight_receiver(self, *, bucket_mb: float, timeout_s: float, **_: Any) -> VLLMWeightReceiver:
-        """The actor's receiver for this engine (same interface as `WeightReceiver`)."""
+    def weight_receiver(self, *, bucket_mb: float, timeout_s: float, backend: str = "gloo",
+                        **_: Any) -> VLLMWeightReceiver | WeightReceiver:
+        """The actor's receiver for this engine (same interface as `WeightReceiver`); with
+        LoRA a plain one, into the adapter tensors."""
+        if self.adapters is not None:
+            return WeightReceiver(self.adapters.tensors, bucket_mb=bucket_mb, backend=backend, timeout_s=timeout_s)
         return VLLMWeightReceiver(self.llm, self.specs, bucket_mb=bucket_mb, communicator=self.communicator,
                                   timeout_s=timeout_s)
 
@@ -224,7 +239,8 @@ class VLLMEngine(GenerationEngine):
         inputs = engine.renderer.render_cmpl([{"prompt_token_ids": list(p)} for p in prompts])
         index = {f"{self._calls}-{i}": i for i in range(len(prompts))}  # our request ids, which outputs carry
         for request_id, x, request_params in zip(index, inputs, params):
-            engine.add_request(request_id, x, request_params)
+            engine.add_request(request_id, x, request_params,
+                               lora_request=None if self.adapters is None else self.adapters.request)
         outputs: dict[int, Any] = {}
         version = self.version  # every token's, unless vLLM's spans say otherwise (an in-flight update)
         try:

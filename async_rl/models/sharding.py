@@ -56,9 +56,12 @@ def adamw(params, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
 
 
-def full_parameters(model: torch.nn.Module):
-    """Yield (name, full tensor) one parameter at a time; a collective on every rank."""
+def full_parameters(model: torch.nn.Module, keep=None):
+    """Yield (name, full tensor) one parameter at a time (those whose name `keep` accepts,
+    when given); a collective on every rank."""
     for name, param in model.named_parameters():
+        if keep is not None and not keep(name):
+            continue
         full = param.full_tensor() if isinstance(param, DTensor) else param
         yield name, full.detach()
 
@@ -89,10 +92,18 @@ def build_models(cfg: Config, device: torch.device, mesh) -> Models:
             log.warning("learner.pack: %s does not reproduce its padded logits when packed (max difference %.2g); "
                         "training with padded micro-batches", type(policy).__name__, error)
             cfg.learner.pack = False
+    lora = cfg.model.lora.rank > 0
+    if lora:
+        from ..lora import with_adapters
+
+        policy = with_adapters(policy, cfg.model.lora)
     policy = shard_model(policy, mesh, precision=lc.precision,
                          activation_checkpointing=lc.activation_checkpointing)
-    models = Models(policy, adamw(policy.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay))
-    if cfg.train.kl.coef > 0:  # no backward through the reference: nothing to checkpoint
+    trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    models = Models(policy, adamw(trained, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay))
+    if cfg.train.kl.coef > 0 and lora:
+        models.reference_is_base = True  # the policy with its adapters off: no second model
+    elif cfg.train.kl.coef > 0:  # no backward through the reference: nothing to checkpoint
         models.reference = shard_model(load_policy().requires_grad_(False).eval(), mesh, precision=lc.precision)
     if cfg.train.advantage == "gae":
         from ..models.critic import ValueModel

@@ -29,6 +29,8 @@ from ..checkpoint import BUFFER_FILE, load_checkpoint, read_groups, save_checkpo
 from ..config import Config, to_yaml
 from ..health import RunHealth
 from ..metrics import MetricsLogger
+from ..algorithms.schedule import lr_factor
+from ..lora import is_adapter, save_lora_final
 from ..models.sharding import build_models, full_parameters
 from ..prompting import prompt_limit
 from ..runtime import (EXIT_CONFIG, EXIT_NONFINITE, EXIT_REWARD_ERRORS, EXIT_STALLED, make_prompt_format,
@@ -41,18 +43,6 @@ from .step_data import StepData, measure_step
 log = logging.getLogger("async_rl.learner")
 POLL_S = 0.5  # how long rank 0 waits between the broadcasts that keep the other ranks with it
 SKIPS_IN_A_ROW = 1000  # prompts skipped as too long, none granted between them: surely a config error
-
-
-def lr_factor(cfg: Config, step: int) -> float:
-    """Multiplier of train.lr at learner step `step` (0-based): warmup, then decay."""
-    t = cfg.train
-    if step < t.warmup_steps:
-        return (step + 1) / t.warmup_steps
-    if t.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_schedule == "cosine" else 1 - progress
-    return t.lr_min_ratio + (1 - t.lr_min_ratio) * shape
 
 
 class Stop(NamedTuple):
@@ -73,8 +63,12 @@ class Learner:
         torch.manual_seed(cfg.seed)
         self.models = build_models(cfg, self.device, init_device_mesh(self.device.type, (self.world,)))
         self.model, self.optimizer = self.models.policy, self.models.optimizer
+        # What the actors receive: every parameter, or with LoRA the adapters alone.
+        self.synced = is_adapter if cfg.model.lora.rank else None
         # A DTensor reports its global shape, so no communication is needed here.
-        self.specs = [(n, tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()]
+        self.specs = [(n, tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()
+                      if self.synced is None or self.synced(n)]
+        self.sync_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in self.specs)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(cfg, step))
         self.version = 0
         self.samples_total = self.skipped_total = 0
@@ -112,14 +106,16 @@ class Learner:
         self.task = make_task_from_config(cfg)
         self.health = RunHealth(cfg.metrics.warn_after_steps, self.prompt_format.uses_chat, cfg.actors.max_new_tokens)
         specs = self.specs
-        if cfg.actors.engine == "vllm":  # the weights travel in the vLLM actors' dtype where it is 16-bit
+        # vLLM's weight transfer carries whole models; LoRA adapters reach vLLM actors over the plain sync.
+        engine = "torch" if self.synced is not None else cfg.actors.engine
+        if engine == "vllm":  # the weights travel in the vLLM actors' dtype where it is 16-bit
             from ..weight_sync.vllm import wire_dtype
 
             specs = [(name, shape, wire_dtype(cfg.actors.vllm.dtype)) for name, shape, _ in specs]
         self.broadcaster = WeightBroadcaster(specs, bucket_mb=cfg.sync.bucket_mb, host=cfg.transport.host,
                                              backend=sync_backend(self.device), device=self.device,
                                              timeout_s=cfg.sync.timeout_s, transport=cfg.sync.transport,
-                                             port=cfg.transport.store_port, engine=cfg.actors.engine,
+                                             port=cfg.transport.store_port, engine=engine,
                                              double_buffer=cfg.sync.double_buffer)
         # The run's timeline (trace.json): this thread's spans, and the actors' via the coordinator.
         self.trace = TraceWriter(self.run_dir / "trace.json", resume=resume)
@@ -236,10 +232,10 @@ class Learner:
         dist.all_reduce(shared, op=dist.ReduceOp.MAX)
         return float(shared[0]) / 1024, bool(shared[1] > 0)
 
-    def _gather(self, consume) -> None:
-        """Gather full parameters one tensor at a time (a collective on every rank);
-        rank 0 hands the (name, tensor) stream to `consume`."""
-        params = full_parameters(self.model)
+    def _gather(self, consume, keep=None) -> None:
+        """Gather full parameters (those `keep` accepts) one tensor at a time (a
+        collective on every rank); rank 0 hands the (name, tensor) stream to `consume`."""
+        params = full_parameters(self.model, keep)
         if self.rank == 0:
             consume(params)
         else:
@@ -248,7 +244,7 @@ class Learner:
     def _sync_weights(self) -> float:
         started = time.monotonic()
         with self.spans.span("sync", version=self.version):  # gather + publish; the broadcast runs behind
-            self._gather(lambda params: self.broadcaster.publish(self.version, params))
+            self._gather(lambda params: self.broadcaster.publish(self.version, params), self.synced)
         return time.monotonic() - started
 
     def _log_step(self, stats: dict[str, float], data: StepData, is_weights: list[torch.Tensor], sync_s: float) -> None:
@@ -257,7 +253,7 @@ class Learner:
         self.samples_total += data.samples
         self.metrics.log({
             "step": self.version, "version": self.version, "train/samples": self.samples_total, **data.metrics,
-            **stats, **self._throughput(data), "sync/seconds": sync_s,
+            **stats, **self._throughput(data), "sync/seconds": sync_s, "sync/bytes": self.sync_bytes,
             "sync/broadcast_seconds": self.broadcaster.last_broadcast_s, **self.coordinator.counters(),
         }, texts=data.texts, histograms={
             # Importance weights of rank 0's tokens only (whole groups, 1/learner.ranks
@@ -385,8 +381,13 @@ class Learner:
     def _finish(self) -> None:
         self._checkpoint()
         with self.spans.span("export", step=self.version):
-            self._gather(lambda params: save_hf_model(params, self.cfg.model.path, self.prompt_format.tokenizer,
-                                                      self.run_dir / "final"))
+            if self.synced is not None:  # LoRA: final/ is the adapter, loadable with peft on the base
+                self._gather(lambda params: save_lora_final(params, self.cfg.model.lora, self.cfg.model.path,
+                                                            self.prompt_format.tokenizer, self.run_dir / "final"),
+                             self.synced)
+            else:
+                self._gather(lambda params: save_hf_model(params, self.cfg.model.path, self.prompt_format.tokenizer,
+                                                          self.run_dir / "final"))
         if self.rank == 0:
             self._log_evals()
             self.coordinator.stop()

@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
 from conftest import ROOT, subprocess_env, wait_for_job
 from vllm_models import PROMPTS, learner_like, save_model
 
@@ -212,3 +213,22 @@ def test_a_multi_turn_run_with_vllm_actors(tmp_path) -> None:
     assert [e["step"] for e in evals] == [0, 30]
     actor_log = (run.logs_dir / "actor-0.log").read_text()
     assert "(epoch 1, vllm)" in actor_log and "Traceback" not in actor_log
+
+
+def test_a_lora_run_with_vllm_actors_learns(tmp_path) -> None:
+    """model.lora on vLLM actors: only the adapters travel (over the plain gloo sync),
+    vLLM serves them per request, and the run learns."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", "configs/demo.yaml", "actors.engine=vllm",
+                           "model.lora.rank=8", "train.lr=1e-3", "train.max_steps=30", "eval.every=30",
+                           "checkpoint.every=0", f"run_dir={run_dir}"], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = RunDir(run_dir)
+    steps, evals = run.steps_and_evals()
+    full = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(run_dir / "base_model").parameters()) * 4
+    assert len(steps) == 30 and all(s["sync/bytes"] < full / 2 for s in steps)
+    assert [e["step"] for e in evals] == [0, 30] and evals[-1]["eval/accuracy"] > evals[0]["eval/accuracy"] + 0.05
+    assert (run_dir / "final" / "adapter_model.safetensors").exists()
+    actor_log = (run.logs_dir / "actor-0.log").read_text()
+    assert "synced to version 1 (epoch 1, gloo" in actor_log and "Traceback" not in actor_log

@@ -37,6 +37,8 @@ def test_yaml_round_trip():
     ("train.advantage=ppo", "train.advantage:"),
     ("train.agg=token-max", "train.agg:"),
     ("train.kl.estimator=k4", "train.kl.estimator:"),
+    ("model.lora.rank=-1", "model.lora.rank:"),
+    ("model.lora.rank=8 actors.engine=vllm sync.in_flight=true", "sync.in_flight: vLLM actors switch LoRA"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:

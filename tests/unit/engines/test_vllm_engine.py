@@ -307,3 +307,68 @@ def test_the_same_prompt_in_several_requests_samples_differently(engine, model_d
     again = engine.generate([PROMPTS[2]] * 6, n=1, max_new_tokens=6, temperature=1.0,
                             generator=torch.Generator().manual_seed(0))
     assert [c.tokens.tolist() for [c] in again] == [c.tokens.tolist() for [c] in out]  # still reproducible
+
+
+def lora_actor(model_dir: str, conn) -> None:
+    """In a process of its own (one vLLM engine per process): a LoRA vLLM engine before and
+    after an adapter-only sync, against the learner's merged model."""
+    import copy
+
+    from async_rl.config import LoraConfig
+    from async_rl.lora import adapter_parameters, with_adapters
+
+    torch.set_num_threads(1)
+    lora = LoraConfig(rank=8, alpha=16.0)
+    learner = with_adapters(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), lora)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, p in adapter_parameters(learner):
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    merged = copy.deepcopy(learner).merge_and_unload().eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = make_engine("vllm", model_or_path=model_dir, device="cpu", kv_cache_gb=0.25, lora=lora)
+    sent = [(n, p.detach()) for n, p in adapter_parameters(learner)]
+    assert [(n, s) for n, s, _ in engine.sync_specs()] == [(n, tuple(p.shape)) for n, p in sent]
+    greedy = {name: [g[0].tokens.tolist() for g in TorchEngine(m, device="cpu").generate(PROMPTS, max_new_tokens=10,
+                                                                                          greedy=True)]
+              for name, m in (("base", base), ("merged", merged))}
+    before = [g[0].tokens.tolist() for g in engine.generate(PROMPTS, max_new_tokens=10, greedy=True)]
+    bc = WeightBroadcaster([(n, tuple(p.shape), p.dtype) for n, p in sent], bucket_mb=0.05, host="127.0.0.1",
+                           backend="gloo", device=CPU, timeout_s=30)
+    receiver = engine.weight_receiver(bucket_mb=0.05, timeout_s=30, backend="gloo")
+    try:
+        bc.set_members([1])
+        bc.publish(1, iter(sent))
+        job = wait_for_job(bc, [1])
+        receiver.receive(epoch=job.epoch, rank=1, world_size=2, store_host=bc.host, store_port=bc.port)
+        engine.set_version(1)
+    finally:
+        bc.close(wait_s=5)
+    after = engine.generate(PROMPTS, max_new_tokens=10, greedy=True)
+    out = engine.generate(PROMPTS, n=2, max_new_tokens=8, generator=torch.Generator().manual_seed(1))
+    diffs = [float((c.logprobs - teacher_forced_logprobs(merged, p, c.tokens)).abs().max())
+             for p, group in zip(PROMPTS, out) for c in group]
+    conn.send({"before": before, "after": [g[0].tokens.tolist() for g in after], "greedy": greedy,
+               "versions": sorted({v for g in after for v in g[0].versions.tolist()}), "max_abs_diff": max(diffs),
+               "files": sorted(p.name for p in engine.adapters.workdir.glob("v1/*"))})
+
+
+def test_lora_adapters_reach_vllm_as_a_per_version_adapter(model_dir) -> None:
+    """vLLM actors with model.lora: the adapters arrive over the plain gloo sync, become a
+    peft directory per version, and the next requests name it: vLLM then answers as the
+    learner's merged model (greedy outputs equal, log-probs of sampled tokens alike)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=lora_actor, args=(model_dir, child), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(120), "the LoRA engine's process did not answer"
+        got = parent.recv()
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    assert got["before"] == got["greedy"]["base"] != got["greedy"]["merged"]
+    assert got["after"] == got["greedy"]["merged"] and got["versions"] == [1]
+    assert got["max_abs_diff"] < 1e-3
+    assert got["files"] == ["adapter_config.json", "adapter_model.safetensors"]

@@ -1,0 +1,13 @@
+"""LoRA: low-rank adapters on a frozen base model, through peft (model.lora).
+
+The learner trains only the adapters (its optimizer holds their state alone), its KL
+reference is the same model computing its base (the adapters scaled to 0; no second
+copy), and the weight sync sends only the adapters: the actors' torch engine wraps its
+copy of the base in the same adapters and receives them in place. final/ is a peft
+adapter directory. docs/lora.md.
+"""
+from .adapters import (ADAPTER_MARK, adapter_parameters, base_only, check_targets, is_adapter, peft_config,
+                       save_adapter, save_lora_final, save_merged, with_adapters)
+
+__all__ = ["ADAPTER_MARK", "adapter_parameters", "base_only", "check_targets", "is_adapter", "peft_config",
+           "save_adapter", "save_lora_final", "save_merged", "with_adapters"]

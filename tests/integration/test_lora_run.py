@@ -1,0 +1,41 @@
+"""LoRA end to end: `async-rl train` with model.lora on a tiny chat model (real actors,
+wire, FSDP2 learner): only the adapters travel (sync/bytes), final/ is a peft adapter
+that loads on the base, and a target the model lacks is one line before anything starts."""
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, read_metrics, subprocess_env, train
+
+pytest.importorskip("peft")
+
+
+def test_a_lora_run_syncs_only_the_adapters_and_leaves_an_adapter(tmp_path, chat_model):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    train(run, chat_model, "task.name=word_problems", "model.lora.rank=4", "train.kl.coef=0.05",
+          "actors.max_new_tokens=6", "train.max_steps=3", "learner.ranks=1", "eval.every=0")
+    steps, _ = read_metrics(run)
+    base = AutoModelForCausalLM.from_pretrained(chat_model)
+    full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(0 < s["sync/bytes"] < 0.5 * full_bytes for s in steps)
+    assert steps[-1]["policy/kl_ref"] > 0  # the adapters moved the policy off its base
+    adapted = PeftModel.from_pretrained(base, run / "final").eval()
+    x = torch.tensor([[1, 5, 9, 12, 3]])
+    with torch.no_grad():
+        with adapted.disable_adapter():
+            plain = adapted(input_ids=x).logits
+        assert not torch.equal(adapted(input_ids=x).logits, plain)
+
+
+def test_a_target_the_model_lacks_is_one_line(tmp_path, chat_model):
+    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={tmp_path / 'r'}",
+           f"model.path={chat_model}", "model.lora.rank=4", "model.lora.target_modules=[q_proj,c_attn]"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.lora.target_modules" in lines[0] and "'c_attn'" in lines[0], proc.stderr

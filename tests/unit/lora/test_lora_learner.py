@@ -1,0 +1,86 @@
+"""The learner's side of LoRA in a one-process gloo world, on a tiny Llama under FSDP2:
+only the adapters train (and the optimizer holds only their state), the KL reference
+is the base (the adapters switched off), and a checkpoint restores the adapters and
+their optimizer exactly."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import LlamaConfig, LlamaForCausalLM
+
+pytest.importorskip("peft")
+
+from async_rl.batching import build_batch  # noqa: E402
+from async_rl.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from async_rl.config import build_config  # noqa: E402
+from async_rl.lora import is_adapter  # noqa: E402
+from async_rl.models.sharding import build_models, full_parameters  # noqa: E402
+from async_rl.train_step import train_step  # noqa: E402
+from workers.fsdp_step import synthetic_groups  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture
+def world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=64)).save_pretrained(path)
+    return path
+
+
+def _cfg(model_dir, **train):
+    return build_config({"model": {"path": str(model_dir), "lora": {"rank": 4, "alpha": 8}},
+                         "train": {"batch_groups": 4, "group_size": 4, "lr": 0.05, **train},
+                         "learner": {"ranks": 1, "micro_batch_size": 4}})
+
+
+def _params(models):
+    return {n: t.clone() for n, t in full_parameters(models.policy)}
+
+
+def _step(cfg, models, seed):
+    return train_step(cfg, models, build_batch(synthetic_groups(4, 4, seed=seed), pad_id=0), [])
+
+
+def test_only_the_adapters_train_against_the_base_as_reference(world, model_dir):
+    cfg = _cfg(model_dir, kl={"coef": 0.1})
+    models = build_models(cfg, torch.device("cpu"), world)
+    assert models.reference is None and models.reference_is_base  # no second model in memory
+    optimized = {id(p) for group in models.optimizer.param_groups for p in group["params"]}
+    trainable = {id(p) for n, p in models.policy.named_parameters() if is_adapter(n)}
+    assert optimized == trainable and trainable
+    before = _params(models)
+    first = _step(cfg, models, seed=1)
+    second = _step(cfg, models, seed=2)
+    after = _params(models)
+    assert first["policy/kl_ref"] == pytest.approx(0.0, abs=1e-9)  # fresh adapters: the policy is the base
+    assert second["policy/kl_ref"] > 1e-6  # the adapters moved the policy off the base
+    assert all(torch.equal(value, before[name]) for name, value in after.items() if not is_adapter(name))
+    assert all(not torch.equal(value, before[name]) for name, value in after.items() if ".lora_B." in name)
+
+
+def test_a_checkpoint_restores_the_adapters_and_their_optimizer_exactly(world, model_dir, tmp_path):
+    cfg = _cfg(model_dir)
+    models = build_models(cfg, torch.device("cpu"), world)
+    for seed in (1, 2):
+        _step(cfg, models, seed)
+    save_checkpoint(tmp_path / "step_000002", {"model": (models.policy, models.optimizer)}, {"version": 2})
+    resumed = build_models(cfg, torch.device("cpu"), world)
+    assert load_checkpoint(tmp_path / "step_000002", {"model": (resumed.policy, resumed.optimizer)})["version"] == 2
+    for (name, want), (_, got) in zip(full_parameters(models.policy), full_parameters(resumed.policy)):
+        assert torch.equal(want, got), name
+    _step(cfg, models, seed=3)
+    _step(cfg, resumed, seed=3)
+    for (name, want), (_, got) in zip(full_parameters(models.policy), full_parameters(resumed.policy)):
+        assert torch.equal(want, got), name
