@@ -35,7 +35,7 @@ class _Section(BaseModel):
 class LoraConfig(_Section):
     rank: int = Field(0, ge=0, le=1024, description="LoRA rank (peft): train low-rank adapters on a frozen base, and send only the adapters to the actors (docs/lora.md); 0 = full fine-tuning.")
     alpha: float = Field(32.0, gt=0.0, description="LoRA scaling numerator: the adapter's update is scaled by alpha / rank.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input during training (the actors sample without it, as a policy's log-probs must match).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input in the learner's passes (the actors sample without it, so above 0 it adds train-inference mismatch).")
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], description="Names of the linear layers that get adapters (the last part of a module's name; the default fits Llama, Qwen, Mistral and SmolLM); a name the model does not have is a config error.")
     merged_final: bool = Field(False, description="Also write final/merged: the base with the adapter merged in, a plain HF model directory (final/ itself is the peft adapter).")
 

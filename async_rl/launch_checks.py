@@ -3,6 +3,7 @@ reward or environment is one line (ConfigError, exit 2) instead of a traceback i
 spawned process: each is built as the processes will build it and tried on a sample."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -43,10 +44,8 @@ def check_lora(cfg: Config) -> None:
     """model.lora: peft importable and every target module a linear layer of the model."""
     if not cfg.model.lora.rank:
         return
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        raise ConfigError("model.lora.rank: LoRA needs the peft package: pip install 'async-rl[lora]'") from None
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError("model.lora.rank: LoRA needs the peft package: pip install 'async-rl[lora]'")
     from .lora import check_targets
 
     problem = check_targets(cfg.model.path, cfg.model.lora.target_modules)

@@ -206,6 +206,19 @@ def build_chat_tokenizer(template: str | None = CHAT_TEMPLATE, add_bos: bool = F
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama (vocabulary 16, 2 layers) as an HF directory, no tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=64)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def chat_model(tmp_path_factory) -> Path:
     """A tiny random Llama with the chat tokenizer above, as an HF directory whose
     generation_config.json names one more stop id (as Qwen2.5's and Llama 3's do)."""

@@ -1,3 +1,4 @@
+"""`env.name` to an environment factory: a built-in name, a skyrl-gym environment or user code."""
 from __future__ import annotations
 
 from functools import partial

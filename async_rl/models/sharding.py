@@ -102,7 +102,7 @@ def build_models(cfg: Config, device: torch.device, mesh) -> Models:
     trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters alone
     models = Models(policy, adamw(trained, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay))
     if cfg.train.kl.coef > 0 and lora:
-        models.reference_is_base = True  # the policy with its adapters off: no second model
+        models.reference_is_base = True  # the policy computing its base (lora.base_only): no second model
     elif cfg.train.kl.coef > 0:  # no backward through the reference: nothing to checkpoint
         models.reference = shard_model(load_policy().requires_grad_(False).eval(), mesh, precision=lc.precision)
     if cfg.train.advantage == "gae":

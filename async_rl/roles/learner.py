@@ -24,13 +24,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..algorithms.schedule import lr_factor
 from ..batching import Batch, scatter_batch
 from ..checkpoint import BUFFER_FILE, load_checkpoint, read_groups, save_checkpoint, save_hf_model, write_groups
 from ..config import Config, to_yaml
 from ..health import RunHealth
-from ..metrics import MetricsLogger
-from ..algorithms.schedule import lr_factor
 from ..lora import is_adapter, save_lora_final
+from ..metrics import MetricsLogger
 from ..models.sharding import build_models, full_parameters
 from ..prompting import prompt_limit
 from ..runtime import (EXIT_CONFIG, EXIT_NONFINITE, EXIT_REWARD_ERRORS, EXIT_STALLED, make_prompt_format,

@@ -13,11 +13,11 @@ pytest.importorskip("peft")
 
 def test_a_lora_run_syncs_only_the_adapters_and_leaves_an_adapter(tmp_path, chat_model):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = tmp_path / "run"
-    train(run, chat_model, "task.name=word_problems", "model.lora.rank=4", "train.kl.coef=0.05",
-          "actors.max_new_tokens=6", "train.max_steps=3", "learner.ranks=1", "eval.every=0")
+    train(run, chat_model, "task.name=word_problems", "model.lora.rank=4", "model.lora.merged_final=true",
+          "train.kl.coef=0.05", "actors.max_new_tokens=6", "train.max_steps=3", "learner.ranks=1", "eval.every=0")
     steps, _ = read_metrics(run)
     base = AutoModelForCausalLM.from_pretrained(chat_model)
     full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
@@ -25,11 +25,17 @@ def test_a_lora_run_syncs_only_the_adapters_and_leaves_an_adapter(tmp_path, chat
     assert all(0 < s["sync/bytes"] < 0.5 * full_bytes for s in steps)
     assert steps[-1]["policy/kl_ref"] > 0  # the adapters moved the policy off its base
     adapted = PeftModel.from_pretrained(base, run / "final").eval()
-    x = torch.tensor([[1, 5, 9, 12, 3]])
+    merged = AutoModelForCausalLM.from_pretrained(run / "final" / "merged").eval()  # model.lora.merged_final
+    tokenizer = AutoTokenizer.from_pretrained(run / "final")
+    x = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():
         with adapted.disable_adapter():
             plain = adapted(input_ids=x).logits
         assert not torch.equal(adapted(input_ids=x).logits, plain)
+        torch.testing.assert_close(merged(input_ids=x).logits, adapted(input_ids=x).logits, rtol=0, atol=1e-5)
+        answer = adapted.generate(x, max_new_tokens=4, do_sample=False)  # it answers through the chat template
+    assert answer.shape[1] > x.shape[1]
 
 
 def test_a_target_the_model_lacks_is_one_line(tmp_path, chat_model):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from async_rl.batching import build_batch
 from async_rl.config import build_config
@@ -42,12 +42,8 @@ def world():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, intermediate_size=64)).save_pretrained(path)
-    return path
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

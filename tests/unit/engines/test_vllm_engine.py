@@ -132,6 +132,22 @@ def mismatch(engine, learner) -> dict[str, float]:
             "max_abs_diff": float((actor - ours).abs().max())}
 
 
+def in_own_process(target, *args, timeout_s: float):
+    """`target(*args, conn)` in a spawned process (vLLM keeps one engine per process: its
+    parallel state is global); what it sends on `conn`."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(timeout_s), f"{target.__name__}'s process did not answer"
+        return parent.recv()
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+
+
 def bf16_mismatch(model_dir: str, seed: int, conn) -> None:
     """In a process of its own: vLLM keeps one engine per process (its parallel state is global)."""
     torch.set_num_threads(1)
@@ -148,17 +164,7 @@ def test_mismatch_with_the_learner_after_a_sync_fp32_and_bf16(engine, model_dir)
     learner = learner_like(model_dir, seed=2)
     sync(engine, learner, version=8)
     fp32 = mismatch(engine, learner)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=bf16_mismatch, args=(model_dir, 2, child), daemon=True)
-    proc.start()
-    try:
-        assert parent.poll(60), "the bf16 engine's process did not answer"
-        bf16 = parent.recv()
-    finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
+    bf16 = in_own_process(bf16_mismatch, model_dir, 2, timeout_s=60)
     print(f"\nvLLM vs learner after a sync: fp32 {fp32}, bf16 {bf16}")
     assert fp32["max_abs_diff"] < 1e-3 and abs(fp32["mismatch_kl"]) < 1e-6
     assert bf16["max_abs_diff"] < 1.0 and 0 < bf16["mismatch_kl"] < 1e-2
@@ -357,17 +363,7 @@ def test_lora_adapters_reach_vllm_as_a_per_version_adapter(model_dir) -> None:
     """vLLM actors with model.lora: the adapters arrive over the plain gloo sync, become a
     peft directory per version, and the next requests name it: vLLM then answers as the
     learner's merged model (greedy outputs equal, log-probs of sampled tokens alike)."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=lora_actor, args=(model_dir, child), daemon=True)
-    proc.start()
-    try:
-        assert parent.poll(120), "the LoRA engine's process did not answer"
-        got = parent.recv()
-    finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
+    got = in_own_process(lora_actor, model_dir, timeout_s=120)
     assert got["before"] == got["greedy"]["base"] != got["greedy"]["merged"]
     assert got["after"] == got["greedy"]["merged"] and got["versions"] == [1]
     assert got["max_abs_diff"] < 1e-3

@@ -2,13 +2,11 @@
 only the adapters train (and the optimizer holds only their state), the KL reference
 is the base (the adapters switched off), and a checkpoint restores the adapters and
 their optimizer exactly."""
-import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import LlamaConfig, LlamaForCausalLM
 
 pytest.importorskip("peft")
 
@@ -31,12 +29,8 @@ def world():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, intermediate_size=64)).save_pretrained(path)
-    return path
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 def _cfg(model_dir, **train):
