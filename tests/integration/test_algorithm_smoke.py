@@ -27,7 +27,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("choice", list(CASES))
+# Two cases run in the extended job only, keeping the default job within its time: the
+# unit tests of train_step cover their algorithms in-process.
+EXTENDED = {"ppo-naive-drgrpo-minibatches", "opmd-length-norm"}
+
+
+@pytest.mark.parametrize("choice", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c
+                                    for c in CASES])
 def test_demo_trains_with(choice, tmp_path, demo_model):
     overrides, keys = CASES[choice]
     run = tmp_path / choice

@@ -391,6 +391,7 @@ def check_peer_figures(r: dict, steps: int) -> None:
     assert r["first_step_s"] <= r["time_to_target_s"]
 
 
+@pytest.mark.extended
 def test_bench_peer_async_rl(tmp_path, demo_model):
     line = bench_peer(tmp_path, demo_model, "--systems", "async-rl", "--max-steps", "4", "--eval-every", "2")
     assert line["seed"] == 0 and line["trl"] is None and line["ratio_trl_over_async_rl"] is None

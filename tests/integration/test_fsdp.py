@@ -21,7 +21,10 @@ def run_step(tmp_path: Path, ranks: int, variant: str) -> dict[str, torch.Tensor
     return load_file(out)
 
 
-@pytest.mark.parametrize("variant", ["ppo", "ppo-flat", "opmd", "reinforce_pp", "gae"])
+# ppo and gae (two models) in the default job; the other losses and layouts shard alike
+# and run in the extended job.
+@pytest.mark.parametrize("variant", ["ppo", "gae", *(pytest.param(v, marks=pytest.mark.extended)
+                                                    for v in ("ppo-flat", "opmd", "reinforce_pp"))])
 def test_two_rank_step_equals_single_process(tmp_path, variant):
     """Parameters after the step (policy and critic) and every diagnostic agree."""
     single = run_step(tmp_path, 1, variant)

@@ -78,3 +78,18 @@ def test_a_checkpoint_restores_the_adapters_and_their_optimizer_exactly(world, m
     _step(cfg, resumed, seed=3)
     for (name, want), (_, got) in zip(full_parameters(models.policy), full_parameters(resumed.policy)):
         assert torch.equal(want, got), name
+
+
+@pytest.mark.parametrize("train", [{"advantage": "gae"}, {"loss": "opmd", "kl": {"coef": 0.1, "mode": "reward"}},
+                                   {"minibatches": 2, "entropy_coef": 0.01}], ids=["gae", "opmd-kl-reward", "ppo-mb"])
+def test_the_other_losses_and_the_critic_train_the_adapters(world, model_dir, train):
+    cfg = _cfg(model_dir, **train)
+    models = build_models(cfg, torch.device("cpu"), world)
+    before = _params(models)
+    stats = [_step(cfg, models, seed) for seed in (1, 2)]
+    after = _params(models)
+    assert all(torch.isfinite(torch.tensor(v)) for s in stats for v in s.values())
+    assert all(torch.equal(value, before[name]) for name, value in after.items() if not is_adapter(name))
+    assert any(not torch.equal(value, before[name]) for name, value in after.items() if is_adapter(name))
+    if cfg.train.advantage == "gae":  # the critic is a model of its own, fully trained
+        assert models.critic is not None and "loss/value" in stats[-1]
