@@ -45,10 +45,7 @@ class PromptFormat:
 
     def messages(self, prompt: Prompt) -> list[dict[str, str]]:
         """The conversation the chat template renders for `prompt`."""
-        if prompt.messages is not None:
-            turns = [{"role": role, "content": content} for role, content in prompt.messages]
-        else:
-            turns = [{"role": "user", "content": prompt.text}]
+        turns = prompt.conversation()
         if self.system_prompt is not None and turns[0]["role"] != "system":
             turns.insert(0, {"role": "system", "content": self.system_prompt})
         return turns

@@ -21,13 +21,6 @@ from .base import EnvironmentFactory, Turn
 PREFIX = "skyrl_gym/"
 
 
-def conversation(prompt: Prompt) -> list[dict[str, str]]:
-    """The prompt as chat messages (without the run's task.system_prompt)."""
-    if prompt.messages is not None:
-        return [{"role": role, "content": content} for role, content in prompt.messages]
-    return [{"role": "user", "content": prompt.text}]
-
-
 class SkyRLEnvironment:
     """One skyrl-gym environment as an async-rl Environment."""
 
@@ -62,7 +55,7 @@ def skyrl_factory(name: str, options: dict, max_turns: int) -> EnvironmentFactor
         extras = {"reward_spec": {"method": "rule", "ground_truth": prompt.answer}, "extra_info": {},
                   "max_turns": max_turns}
         env = SkyRLEnvironment(skyrl_gym.make(env_id, env_config=env_config, extras=extras))
-        messages = conversation(prompt)
+        messages = prompt.conversation()  # without the run's task.system_prompt
         first, _ = env.env.init(messages)
         if first != messages:
             env.close()

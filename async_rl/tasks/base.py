@@ -42,6 +42,12 @@ class Prompt:
     answer: str
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) turns
 
+    def conversation(self) -> list[dict[str, str]]:
+        """The prompt as chat messages: its turns, or one user turn of its text."""
+        if self.messages is not None:
+            return [{"role": role, "content": content} for role, content in self.messages]
+        return [{"role": "user", "content": self.text}]
+
 
 @runtime_checkable
 class Task(Protocol):
