@@ -1,5 +1,6 @@
 """Generation throughput of the actors' engines on one model: the torch engine and vLLM,
-in float32 and bfloat16, on the same prompts and settings.
+in float32 and bfloat16, on the same prompts and settings; the torch engine also with
+LoRA adapters.
 
     python analysis/bench_generate.py [--config configs/smollm2.yaml]
         [--variants torch:float32,torch:bfloat16,vllm:float32,vllm:bfloat16]
@@ -10,6 +11,12 @@ with its stop ids, as an actor sends them; each call samples --n responses per p
 (one actor request of --prompts groups). Each variant runs in a process of its own (vLLM
 keeps one engine per process) with --threads intra-op threads; its first call is left
 out (warm-up), and tokens/s = generated tokens / wall time of `generate`.
+
+A third field adds LoRA adapters of that rank to a torch variant (on the config's
+model.lora.target_modules): `torch:float32:lora8` as an actor runs it (merged into the
+weights in float32, lora/folded.py), `torch:float32:lora8-unmerged` with peft's adapter
+matmuls in every forward. Fresh adapters compute the base exactly, so every variant
+samples the same tokens.
 
 Output: one JSON object per variant on stdout
   {"engine", "dtype", "threads", "init_s", "calls_tokens_per_s" (timed calls),
@@ -40,7 +47,7 @@ def run_variant(args) -> dict:
     from async_rl.prompting import stop_token_ids
     from async_rl.runtime import make_prompt_format, make_task_from_config, peak_rss_mb
 
-    engine_name, dtype = args.worker.split(":")
+    engine_name, dtype, *extra = args.worker.split(":")
     cfg = load_config(args.config)
     prompt_format = make_prompt_format(cfg)
     task = make_task_from_config(cfg)
@@ -50,8 +57,14 @@ def run_variant(args) -> dict:
         options.update(dtype=dtype, threads=args.threads, seed=cfg.seed)
     else:
         options.update(dtype=getattr(torch, dtype))
+    lora = extra[0] if extra else ""
+    if lora:
+        options["lora"] = cfg.model.lora.model_copy(update={"rank": int(lora.removeprefix("lora").split("-")[0])})
     started = time.perf_counter()
     engine = make_engine(engine_name, model_or_path=cfg.model.path, device="cpu", **options)
+    if lora.endswith("-unmerged") and engine._folded is not None:
+        engine.model.unmerge_adapter()
+        engine._folded = None
     init_s = time.perf_counter() - started
     generator = torch.Generator().manual_seed(cfg.seed)
     rates = []
@@ -61,7 +74,7 @@ def run_variant(args) -> dict:
                               generator=generator)
         rates.append(sum(len(c) for group in out for c in group) / (time.perf_counter() - started))
     timed = rates[1:]
-    return {"engine": engine_name, "dtype": dtype, "threads": args.threads, "init_s": round(init_s, 1),
+    return {"engine": engine_name, "dtype": dtype + (f":{lora}" if lora else ""), "threads": args.threads, "init_s": round(init_s, 1),
             "calls_tokens_per_s": [round(r, 1) for r in timed], "tokens_per_s": round(statistics.median(timed), 1),
             "peak_rss_gb": round(peak_rss_mb() / 1024, 2)}
 

@@ -95,7 +95,8 @@ class TorchEngine(GenerationEngine):
         """`stop_strings` end a response as soon as its text contains one (the token that
         completes it is kept); they need the `tokenizer` to read the text. `lora` (the
         config's model.lora): the model gets the learner's adapters, and a sync carries
-        those alone."""
+        those alone; in float32 they stay merged into the weights, a sync lands aside and
+        `set_version` folds it in (lora/folded.py)."""
         if isinstance(model_or_path, nn.Module):
             model = model_or_path
         else:
@@ -112,6 +113,11 @@ class TorchEngine(GenerationEngine):
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.model.requires_grad_(False)  # weights only change through in-place sync
         self.version = 0
+        self._folded = None
+        if lora is not None:
+            from ..lora.folded import FoldedAdapters, foldable
+
+            self._folded = FoldedAdapters(self.model) if foldable(dtype) else None
 
         # Unset ids fall back to the model config (getattr on None gives None).
         config = getattr(self.model, "config", None)
@@ -144,11 +150,15 @@ class TorchEngine(GenerationEngine):
     # ----------------------------------------------------------------- protocol
 
     def set_version(self, version: int) -> None:
+        if self._folded is not None:  # a whole version of the adapters has arrived
+            self._folded.fold()
         self.version = int(version)
 
     def parameters_for_sync(self) -> list[tuple[str, torch.Tensor]]:
         # named_parameters() yields a tied tensor once, in registration order,
         # which is the same on the learner's copy of the same architecture.
+        if self._folded is not None:
+            return self._folded.received
         if self.lora is not None:
             from ..lora import adapter_parameters
 

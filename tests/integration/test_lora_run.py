@@ -1,6 +1,8 @@
 """LoRA end to end: `async-rl train` with model.lora on a tiny chat model (real actors,
 wire, FSDP2 learner): only the adapters travel (sync/bytes), final/ is a peft adapter
-that loads on the base, and a target the model lacks is one line before anything starts."""
+that loads on the base, a target the model lacks is one line before anything starts,
+and analysis/bench_generate.py's LoRA variants."""
+import json
 import subprocess
 import sys
 
@@ -45,3 +47,19 @@ def test_a_target_the_model_lacks_is_one_line(tmp_path, chat_model):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.lora.target_modules" in lines[0] and "'c_attn'" in lines[0], proc.stderr
+
+
+@pytest.mark.extended
+def test_bench_generate_times_the_engine_with_folded_and_unmerged_adapters(tmp_path, chat_model):
+    config = tmp_path / "config.yaml"
+    config.write_text((ROOT / "configs/smollm2.yaml").read_text().replace("models/smollm2-135m", str(chat_model)))
+    proc = subprocess.run([sys.executable, str(ROOT / "analysis/bench_generate.py"), "--config", str(config),
+                           "--variants", "torch:float32:lora4,torch:float32:lora4-unmerged",
+                           "--calls", "2", "--prompts", "2", "--n", "2", "--max-new-tokens", "4"],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = [json.loads(line) for line in lines]
+    assert [r["dtype"] for r in results] == ["float32:lora4", "float32:lora4-unmerged"]
+    assert all(r["tokens_per_s"] > 0 for r in results)
+    assert "torch:float32:lora4-unmerged:" in proc.stdout

@@ -1,7 +1,7 @@
 """async_rl/lora on real peft: adapters that start as the base, names both sides share,
 targets checked against the model, the adapter directory peft loads, and an adapter-only
 sync over a real gloo broadcast after which the actor's engine answers as the learner's
-merged model does."""
+merged model does (over CUDA IPC where a GPU is visible)."""
 import copy
 import threading
 
@@ -97,6 +97,10 @@ def test_an_adapter_only_sync_gives_the_actor_the_learners_merged_model(chat_mod
         bc.close()
     merged = copy.deepcopy(learner).merge_and_unload().eval()
     with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(chat_model).eval()
+        # Received, not yet folded in: the engine still answers as the last whole version.
+        torch.testing.assert_close(engine.model(input_ids=X).logits, base(input_ids=X).logits, rtol=0, atol=1e-5)
+        engine.set_version(1)  # the actor's step once a whole sync has arrived
         torch.testing.assert_close(engine.model(input_ids=X).logits, merged(input_ids=X).logits, rtol=0, atol=1e-5)
     prompts = [X[0].tolist(), X[0, :4].tolist()]
     got = engine.generate(prompts, n=1, max_new_tokens=8, greedy=True)
@@ -104,3 +108,71 @@ def test_an_adapter_only_sync_gives_the_actor_the_learners_merged_model(chat_mod
         want = [merged.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert [c.tokens.tolist() for [c] in got] == want
+
+
+def _ipc_lora_actor(chat_model: str, host: str, port: int, epoch: int, conn) -> None:
+    torch.cuda.set_device(0)
+    engine = TorchEngine(chat_model, device="cuda", eos_token_id=None, lora=LORA)
+    receiver = WeightReceiver(engine.parameters_for_sync(), bucket_mb=0.001, backend="nccl", timeout_s=30)
+    receiver.receive(epoch=epoch, rank=1, world_size=2, store_host=host, store_port=port)
+    engine.set_version(1)
+    with torch.no_grad():
+        logits = engine.model(input_ids=X.cuda()).logits.cpu().tolist()
+    [[completion]] = engine.generate([X[0].tolist()], n=1, max_new_tokens=8, greedy=True)
+    conn.send((receiver.transport, logits, completion.tokens.tolist()))  # plain data: this process exits now
+
+
+@pytest.mark.cuda
+def test_an_adapter_only_cuda_ipc_sync_gives_the_actor_the_learners_merged_model(chat_model):
+    """The same on one GPU: the actor maps the learner's adapter buckets over CUDA IPC."""
+    import multiprocessing as mp
+
+    device = torch.device("cuda", 0)
+    learner = _trained(chat_model).to(device)
+    sent = adapter_parameters(learner)
+    bc = WeightBroadcaster([(n, tuple(p.shape), p.dtype) for n, p in sent], bucket_mb=0.001, host="127.0.0.1",
+                           backend="nccl", device=device, timeout_s=30)
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = None
+    try:
+        bc.set_members([1])
+        bc.publish(1, iter([(n, p.detach()) for n, p in sent]))
+        job = wait_for_job(bc, [1])
+        proc = mp.get_context("spawn").Process(target=_ipc_lora_actor, daemon=True,
+                                               args=(str(chat_model), bc.host, bc.port, job.epoch, child))
+        proc.start()
+        assert parent.poll(90)
+        transport, logits, tokens = parent.recv()
+    finally:
+        bc.close(wait_s=5)
+        if proc is not None:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    merged = copy.deepcopy(learner).merge_and_unload().eval()
+    with torch.no_grad():
+        want = merged(input_ids=X.to(device)).logits.cpu()
+        greedy = merged.generate(X.to(device), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, X.shape[1]:].tolist()
+    assert transport == "cuda_ipc"
+    torch.testing.assert_close(torch.tensor(logits), want, rtol=0, atol=1e-4)
+    assert tokens == greedy
+
+
+def test_folding_version_after_version_drifts_by_rounding_alone(chat_model):
+    """The float32 engine merges each version into its weights over the last one
+    (lora/folded.py): after many versions it still answers as the learner's merged
+    model, where a bf16 engine keeps its adapters unmerged."""
+    engine = TorchEngine(str(chat_model), eos_token_id=None, lora=LORA)
+    assert engine._folded is not None
+    assert TorchEngine(str(chat_model), eos_token_id=None, lora=LORA, dtype=torch.bfloat16)._folded is None
+    received = dict(engine.parameters_for_sync())
+    for version in range(1, 101):
+        learner = _trained(chat_model, seed=version)
+        with torch.no_grad():
+            for name, p in adapter_parameters(learner):
+                received[name].copy_(p)
+        engine.set_version(version)
+    merged = learner.merge_and_unload().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(engine.model(input_ids=X).logits, merged(input_ids=X).logits, rtol=0, atol=1e-5)
