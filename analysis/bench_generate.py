@@ -74,7 +74,8 @@ def run_variant(args) -> dict:
                               generator=generator)
         rates.append(sum(len(c) for group in out for c in group) / (time.perf_counter() - started))
     timed = rates[1:]
-    return {"engine": engine_name, "dtype": dtype + (f":{lora}" if lora else ""), "threads": args.threads, "init_s": round(init_s, 1),
+    return {"engine": engine_name, "dtype": dtype + (f":{lora}" if lora else ""), "threads": args.threads,
+            "init_s": round(init_s, 1),
             "calls_tokens_per_s": [round(r, 1) for r in timed], "tokens_per_s": round(statistics.median(timed), 1),
             "peak_rss_gb": round(peak_rss_mb() / 1024, 2)}
 
