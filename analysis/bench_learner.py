@@ -1,7 +1,7 @@
 """Learner throughput and MFU under FSDP2, and torch-engine generation throughput.
 
     python analysis/bench_learner.py [--tiny] [--ranks 1] [--steps 3] [--warmup 1]
-        [--variants padded,packed,padded+ac,packed+ac] [--precision auto|fp32|bf16]
+        [--variants padded,packed,padded+ac,packed+ac] [--precision auto|fp32|bf16] [--attention eager]
         [--peak-tflops 989] [--prompt-len 64,256] [--response-len 32,1024]
         [--groups 32] [--group-size 8] [--minibatches 1] [--micro-batch-size 16] [--micro-batch-tokens 16384]
         [--pack-row-tokens N] [--gen-prompts 64]
@@ -23,6 +23,7 @@ which adds a no-grad proximal forward over every micro-batch. Each variant build
 model afresh; --warmup steps are discarded, then --steps timed steps, each between a
 barrier and `torch.cuda.synchronize()`.
 Precision: bf16 (FSDP2 MixedPrecisionPolicy) on CUDA, fp32 on CPU unless --precision.
+--attention: the policy's attention kernel (learner.attention; default: the model's, sdpa).
 
 FLOPs (useful model FLOPs, the PaLM paper's MFU, Chowdhery et al. 2022, arXiv
 2204.02311, Appendix B), per step:
@@ -51,7 +52,7 @@ sample, sampling exactly --gen-tokens new tokens (no EOS in the config, so no ro
 stops early); tokens/s = generated tokens / wall time of `generate`.
 
 Output: one JSON object per line on stdout:
-  {"kind": "learner", "variant", "pack", "share_prompt", "activation_checkpointing", "precision",
+  {"kind": "learner", "variant", "pack", "share_prompt", "activation_checkpointing", "precision", "attention",
    "device", "ranks", "params", "sequences", "tokens", "scored_tokens", "padded_tokens", "flops_per_step",
    "step_s" (median), "steps_s" (all), "tokens_per_s", "tflops" (per device), "matmul_peak_tflops",
    "mfu" (against the datasheet peak on CUDA, the measured matmul peak on CPU), "peak_rss_gb",
@@ -98,6 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--variants", default="padded,packed,padded+ac,packed+ac")
     ap.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
+    ap.add_argument("--attention", choices=["sdpa", "eager"], default=None, help="learner.attention")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-device peak (H100/H200 dense bf16)")
     ap.add_argument("--prompt-len", default=None, help="min,max prompt tokens")
     ap.add_argument("--response-len", default=None, help="min,max response tokens")
@@ -148,9 +150,10 @@ def make_model(args, mcfg):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank and variant
+    kernel = {"attn_implementation": args.attention} if args.attention else {}
     if args.model:
-        return AutoModelForCausalLM.from_pretrained(args.model, config=mcfg, dtype=torch.float32)
-    return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(args.model, config=mcfg, dtype=torch.float32, **kernel)
+    return AutoModelForCausalLM.from_config(mcfg, dtype=torch.float32, **kernel)
 
 
 def synthetic_groups(args, vocab: int) -> list[ExperienceGroup]:
@@ -239,6 +242,7 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
                       "minibatches": args.minibatches},
             "learner": {"ranks": world, "micro_batch_size": args.micro_batch_size, "pack": pack, "share_prompt": share,
                         "micro_batch_tokens": args.micro_batch_tokens, "precision": args.precision,
+                        "attention": args.attention,
                         "pack_row_tokens": args.pack_row_tokens,
                         "activation_checkpointing": ac}})
         model = make_model(args, mcfg).to(device)
@@ -268,7 +272,8 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
                                   torch.bfloat16 if args.precision == "bf16" else torch.float32, device)
         out.append({"kind": "learner", "variant": variant, "pack": pack, "share_prompt": share,
                     "activation_checkpointing": ac,
-                    "precision": args.precision, "device": device.type, "ranks": world, "params": n_params,
+                    "precision": args.precision, "attention": model.config._attn_implementation,
+                    "device": device.type, "ranks": world, "params": n_params,
                     "sequences": int(batch.tokens.shape[0]), "tokens": int(computed.sum()), "scored_tokens": scored,
                     "padded_tokens": int(batch.tokens.numel()), "flops_per_step": flops, "step_s": step_s,
                     "steps_s": times, "tokens_per_s": float(computed.sum()) / step_s, "tflops": tflops,

@@ -79,6 +79,7 @@ class ActorsConfig(_Section):
     max_new_tokens: int = Field(8, ge=1, description="Response length limit; a response cut there is flagged truncated (train/truncated_frac, train.overlong).")
     stop: list[str] = Field(default_factory=list, description="Stop strings: a response ends once its text contains one (the token completing it is kept). The stop token ids need no setting: every EOS id of the model config, generation_config.json and the tokenizer stops a response.")
     threads: int = Field(1, ge=1, description="torch intra-op threads per actor (CPU).")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="The torch engine's weights and compute (vLLM actors: actors.vllm.dtype). bfloat16: weights travel in it (half the bytes), decoding reads half the memory, and the held-out evaluation (run by the actors) scores the bf16 model; the log-probs differ from a float32 learner's by bf16 rounding (is/mismatch_kl). LoRA adapters then stay unmerged (lora/folded.py).")
     heartbeat_s: float = Field(1.0, gt=0.0, description="Seconds between actor heartbeats.")
     heartbeat_timeout_s: float = Field(30.0, gt=0.0, description="An actor silent this long is declared dead.")
     max_restarts: int = Field(3, ge=0, description="async-rl train restarts a local actor that exits unexpectedly at most this many times (each logged); 0 = never.")
@@ -101,6 +102,7 @@ class LearnerConfig(_Section):
     pack_row_tokens: int | None = Field(None, ge=1, description="learner.pack: packed row length (null = the micro-batch's longest sequence, so sdpa's masked attention never costs more than padded; flash-attention packs one row).")
     skip_zero_advantage: bool = Field(True, description="Leave out of the forward and backward the groups whose every advantage is 0 (a GRPO group whose samples all scored the same), when nothing else in the loss reads them (train.loss=ppo, one minibatch, no KL reference, entropy bonus or critic): their policy gradient is exactly 0, and they still count in the loss normalization, so the update is the same. The share is logged as train/zero_adv_group_frac; loss and policy diagnostics then cover the groups trained (in a step where none has a gradient, one group per rank is trained, of loss 0).")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="FSDP2 mixed precision: bf16 = bf16 compute (params all-gathered in bf16), fp32 gradient reduction, fp32 master weights and optimizer state; log-softmax and losses always fp32. bf16 pays on a GPU and on a CPU with native bf16 matmuls (AVX-512 BF16, AMX): SmolLM2-135M steps 1.6x faster there (docs/performance.md); the actors' log-probs then differ from the learner's by bf16 rounding (is/mismatch_kl).")
+    attention: Literal["sdpa", "eager"] | None = Field(None, description="The policy's attention kernel (transformers' attn_implementation); null = the model's own default (sdpa). With shared prompts the mask is custom, and on a CPU with bf16 matmuls (AMX) PyTorch's masked flash-attention kernel is slow beside them: `eager` (a softmax between batched matmuls) made the bf16 SmolLM2 step 1.1-1.2x faster there (docs/performance.md). Eager holds each layer's [heads, row, row] attention weights for the backward: keep it for short rows.")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in backward (non-reentrant torch.utils.checkpoint via transformers), trading ~1 extra forward for activation memory.")
     timeout_s: float = Field(600.0, gt=0.0, description="Timeout of learner collectives and of waiting for experience.")
 
@@ -271,6 +273,8 @@ class Config(_Section):
             raise ValueError(f"sync.transport: {self.sync.transport} needs model.device=cuda (CPU weights go over gloo)")
         if self.model.lora.rank and self.actors.engine == "vllm" and self.sync.in_flight:
             raise ValueError("sync.in_flight: vLLM actors switch LoRA adapters between requests, not mid-generation")
+        if self.actors.engine == "vllm" and self.actors.dtype != "float32":
+            raise ValueError("actors.dtype: sets the torch engine's; vLLM actors take actors.vllm.dtype")
         if self.actors.engine == "vllm" and self.sync.transport != "auto":
             raise ValueError(f"sync.transport: {self.sync.transport} cannot reach vLLM actors, which take vLLM's "
                              "weight transfer (NCCL on a GPU, gloo on a CPU); leave it auto")

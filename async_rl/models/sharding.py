@@ -71,7 +71,8 @@ def build_models(cfg: Config, device: torch.device, mesh) -> Models:
     from transformers import AutoModelForCausalLM
 
     def load_policy():
-        return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).to(device)
+        kernel = {"attn_implementation": cfg.learner.attention} if cfg.learner.attention else {}
+        return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, **kernel).to(device)
 
     lc = cfg.learner
     policy = load_policy()

@@ -109,7 +109,7 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         if cfg.actors.stop:
             stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
         options = dict(seed=cfg.seed, threads=cfg.actors.threads, **cfg.actors.vllm.model_dump()) \
-            if cfg.actors.engine == "vllm" else {}
+            if cfg.actors.engine == "vllm" else {"dtype": getattr(torch, cfg.actors.dtype)}
         options["lora"] = cfg.model.lora if cfg.model.lora.rank else None
         try:
             engine = make_engine(cfg.actors.engine, model_or_path=cfg.model.path, device=device, **stops, **options)

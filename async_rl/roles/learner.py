@@ -68,7 +68,6 @@ class Learner:
         # A DTensor reports its global shape, so no communication is needed here.
         self.specs = [(n, tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()
                       if self.synced is None or self.synced(n)]
-        self.sync_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in self.specs)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(cfg, step))
         self.version = 0
         self.samples_total = self.skipped_total = 0
@@ -112,6 +111,9 @@ class Learner:
             from ..weight_sync.vllm import wire_dtype
 
             specs = [(name, shape, wire_dtype(cfg.actors.vllm.dtype)) for name, shape, _ in specs]
+        elif cfg.actors.engine == "torch" and cfg.actors.dtype != "float32":  # torch actors hold their dtype
+            specs = [(name, shape, getattr(torch, cfg.actors.dtype)) for name, shape, _ in specs]
+        self.sync_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)  # as they travel
         self.broadcaster = WeightBroadcaster(specs, bucket_mb=cfg.sync.bucket_mb, host=cfg.transport.host,
                                              backend=sync_backend(self.device), device=self.device,
                                              timeout_s=cfg.sync.timeout_s, transport=cfg.sync.transport,

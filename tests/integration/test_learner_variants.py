@@ -69,14 +69,14 @@ def test_bf16_mixed_precision_keeps_fp32_master_weights(runs):
 
 def test_bench_learner_tiny_prints_schema():
     proc = subprocess.run([sys.executable, str(ROOT / "analysis/bench_learner.py"), "--tiny", "--cpu", "--ranks", "2",
-                           "--steps", "1", "--warmup", "0", "--variants", "padded,packed+ac"],
+                           "--steps", "1", "--warmup", "0", "--variants", "padded,packed+ac", "--attention", "eager"],
                           capture_output=True, text=True, timeout=60, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     learner = [l for l in lines if l["kind"] == "learner"]
     assert [l["variant"] for l in learner] == ["padded", "packed+ac"]
     for l in learner:
-        assert l["device"] == "cpu" and l["ranks"] == 2 and l["precision"] == "fp32"
+        assert l["device"] == "cpu" and l["ranks"] == 2 and l["precision"] == "fp32" and l["attention"] == "eager"
         assert l["scored_tokens"] < l["tokens"] <= l["padded_tokens"] and l["step_s"] > 0 and len(l["steps_s"]) == 1
         assert abs(l["tokens_per_s"] - l["tokens"] / l["step_s"]) < 1e-6 * l["tokens_per_s"]
         # 6 FLOPs per parameter and token, the tied V x H head on scored tokens only; attention on top.

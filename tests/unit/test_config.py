@@ -39,6 +39,9 @@ def test_yaml_round_trip():
     ("train.kl.estimator=k4", "train.kl.estimator:"),
     ("model.lora.rank=-1", "model.lora.rank:"),
     ("model.lora.rank=8 actors.engine=vllm sync.in_flight=true", "sync.in_flight: vLLM actors switch LoRA"),
+    ("actors.engine=vllm actors.dtype=bfloat16", "actors.dtype: sets the torch engine's"),
+    ("actors.dtype=float16", "actors.dtype:"),
+    ("learner.attention=flash", "learner.attention:"),
 ])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:

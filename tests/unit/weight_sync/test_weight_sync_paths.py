@@ -55,6 +55,30 @@ def test_receiver_makes_parameters_views_of_its_buckets_without_changing_the_mod
     assert receiver.params[entry.name].reshape(-1)[0].item() == 123.0
 
 
+def test_a_bf16_engine_receives_the_float32_learners_weights_in_bf16():
+    """actors.dtype=bfloat16: the learner publishes its float32 weights as bf16 (the copy
+    into the buckets casts them), half the bytes, and the engine computes with them."""
+    source = list(tiny_tied_llama(1).named_parameters())
+    engine = TorchEngine(tiny_tied_llama(0), eos_token_id=None, dtype=torch.bfloat16)
+    wire = [(n, shape, torch.bfloat16) for n, shape, _ in specs(source)]
+    bc = WeightBroadcaster(wire, bucket_mb=0.001, host="127.0.0.1", backend="gloo", device=CPU, timeout_s=20)
+    try:
+        bc.set_members((0,))
+        bc.publish(1, ((n, p.detach()) for n, p in source))
+        job = wait_for_job(bc, (0,))
+        receiver = WeightReceiver(engine.parameters_for_sync(), bucket_mb=0.001, backend="gloo", timeout_s=20)
+        assert [b.dtype for b in receiver.plan] == [b.dtype for b in bc.plan] == [torch.bfloat16] * len(bc.plan)
+        receiver.receive(epoch=job.epoch, rank=job.rank_of(0), world_size=2, store_host=bc.host, store_port=bc.port)
+        engine.set_version(1)
+    finally:
+        bc.close()
+    assert sum(b.numel * 2 for b in bc.plan) == sum(p.numel() * 2 for _, p in source)  # 2 bytes a weight
+    got = dict(engine.model.named_parameters())
+    for name, param in source:
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], param.detach().to(torch.bfloat16)), name
+    assert engine.generate([[1, 2, 3]], max_new_tokens=4, greedy=True)[0][0].tokens.numel() == 4
+
+
 @pytest.mark.parametrize("bucket_bytes", [256, 2**20], ids=["chain", "one-bucket-broadcast"])
 def test_staged_receiver_delivers_into_the_buckets_its_parameters_view(bucket_bytes):
     """sync.stage_on_actors (the default): a sync lands in a second bucket set, allocated
