@@ -64,6 +64,17 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
 
 
+@pytest.fixture
+def one_rank_mesh():
+    """A one-process gloo world and its 1-device CPU mesh: FSDP2 code run in-process."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For modules of tiny in-process models (`pytestmark = pytest.mark.usefixtures(...)`):

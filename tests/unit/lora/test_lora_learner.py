@@ -5,8 +5,6 @@ their optimizer exactly."""
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 pytest.importorskip("peft")
 
@@ -19,13 +17,6 @@ from async_rl.train_step import train_step  # noqa: E402
 from workers.fsdp_step import synthetic_groups  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture
-def world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +38,9 @@ def _step(cfg, models, seed):
     return train_step(cfg, models, build_batch(synthetic_groups(4, 4, seed=seed), pad_id=0), [])
 
 
-def test_only_the_adapters_train_against_the_base_as_reference(world, model_dir):
+def test_only_the_adapters_train_against_the_base_as_reference(one_rank_mesh, model_dir):
     cfg = _cfg(model_dir, kl={"coef": 0.1})
-    models = build_models(cfg, torch.device("cpu"), world)
+    models = build_models(cfg, torch.device("cpu"), one_rank_mesh)
     assert models.reference is None and models.reference_is_base  # no second model in memory
     optimized = {id(p) for group in models.optimizer.param_groups for p in group["params"]}
     trainable = {id(p) for n, p in models.policy.named_parameters() if is_adapter(n)}
@@ -64,13 +55,13 @@ def test_only_the_adapters_train_against_the_base_as_reference(world, model_dir)
     assert all(not torch.equal(value, before[name]) for name, value in after.items() if ".lora_B." in name)
 
 
-def test_a_checkpoint_restores_the_adapters_and_their_optimizer_exactly(world, model_dir, tmp_path):
+def test_a_checkpoint_restores_the_adapters_and_their_optimizer_exactly(one_rank_mesh, model_dir, tmp_path):
     cfg = _cfg(model_dir)
-    models = build_models(cfg, torch.device("cpu"), world)
+    models = build_models(cfg, torch.device("cpu"), one_rank_mesh)
     for seed in (1, 2):
         _step(cfg, models, seed)
     save_checkpoint(tmp_path / "step_000002", {"model": (models.policy, models.optimizer)}, {"version": 2})
-    resumed = build_models(cfg, torch.device("cpu"), world)
+    resumed = build_models(cfg, torch.device("cpu"), one_rank_mesh)
     assert load_checkpoint(tmp_path / "step_000002", {"model": (resumed.policy, resumed.optimizer)})["version"] == 2
     for (name, want), (_, got) in zip(full_parameters(models.policy), full_parameters(resumed.policy)):
         assert torch.equal(want, got), name
@@ -82,9 +73,9 @@ def test_a_checkpoint_restores_the_adapters_and_their_optimizer_exactly(world, m
 
 @pytest.mark.parametrize("train", [{"advantage": "gae"}, {"loss": "opmd", "kl": {"coef": 0.1, "mode": "reward"}},
                                    {"minibatches": 2, "entropy_coef": 0.01}], ids=["gae", "opmd-kl-reward", "ppo-mb"])
-def test_the_other_losses_and_the_critic_train_the_adapters(world, model_dir, train):
+def test_the_other_losses_and_the_critic_train_the_adapters(one_rank_mesh, model_dir, train):
     cfg = _cfg(model_dir, **train)
-    models = build_models(cfg, torch.device("cpu"), world)
+    models = build_models(cfg, torch.device("cpu"), one_rank_mesh)
     before = _params(models)
     stats = [_step(cfg, models, seed) for seed in (1, 2)]
     after = _params(models)

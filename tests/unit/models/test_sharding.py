@@ -3,8 +3,6 @@ attention kernel it is loaded with (learner.attention)."""
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from async_rl.batching import build_batch
 from async_rl.config import build_config
@@ -15,26 +13,19 @@ from workers.fsdp_step import synthetic_groups
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture
-def world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
-
-
-def _trained(model_dir, world, attention):
+def _trained(model_dir, one_rank_mesh, attention):
     cfg = build_config({"model": {"path": str(model_dir)},
                         "train": {"batch_groups": 4, "group_size": 4, "lr": 0.01},
                         "learner": {"ranks": 1, "micro_batch_size": 4, "attention": attention}})
-    models = build_models(cfg, torch.device("cpu"), world)
+    models = build_models(cfg, torch.device("cpu"), one_rank_mesh)
     stats = [train_step(cfg, models, build_batch(synthetic_groups(4, 4, seed=seed), pad_id=0), [])
              for seed in (1, 2)]
     return cfg, models, stats
 
 
-def test_eager_attention_trains_as_the_default_kernel_with_shared_prompts(world, tiny_llama_dir):
-    cfg, sdpa, sdpa_stats = _trained(tiny_llama_dir, world, None)
-    cfg_eager, eager, eager_stats = _trained(tiny_llama_dir, world, "eager")
+def test_eager_attention_trains_as_the_default_kernel_with_shared_prompts(one_rank_mesh, tiny_llama_dir):
+    cfg, sdpa, sdpa_stats = _trained(tiny_llama_dir, one_rank_mesh, None)
+    cfg_eager, eager, eager_stats = _trained(tiny_llama_dir, one_rank_mesh, "eager")
     assert sdpa.policy.config._attn_implementation == "sdpa"
     assert eager.policy.config._attn_implementation == "eager"
     # Eager takes the shared-prompt mask (as an additive one): the prompts stay shared.
