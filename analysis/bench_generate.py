@@ -5,12 +5,19 @@ LoRA adapters.
     python analysis/bench_generate.py [--config configs/smollm2.yaml]
         [--variants torch:float32,torch:bfloat16,vllm:float32,vllm:bfloat16]
         [--prompts 8] [--n 8] [--max-new-tokens 24] [--temperature 0.7] [--calls 4] [--threads 1]
+        [--path engine|rollout] [--set key=value ...]
 
 The prompts are the config's task's first training prompts, through its chat template,
 with its stop ids, as an actor sends them; each call samples --n responses per prompt
 (one actor request of --prompts groups). Each variant runs in a process of its own (vLLM
 keeps one engine per process) with --threads intra-op threads; its first call is left
 out (warm-up), and tokens/s = generated tokens / wall time of `generate`.
+
+`--path rollout` times what an actor does with a work grant instead of `generate` alone:
+the same call through the actors' sample-making path (generate, score every response
+with the guarded reward, encode one ExperienceGroup per prompt), and reports samples/s
+(responses) beside tokens/s. `--set` overrides config keys (e.g. `model.path=DIR` for
+the demo config, whose model is built into a run directory).
 
 A third field adds LoRA adapters of that rank to a torch variant (on the config's
 model.lora.target_modules): `torch:float32:lora8` as an actor runs it (merged into the
@@ -20,7 +27,7 @@ samples the same tokens.
 
 Output: one JSON object per variant on stdout
   {"engine", "dtype", "threads", "init_s", "calls_tokens_per_s" (timed calls),
-   "tokens_per_s" (their median), "peak_rss_gb"}
+   "tokens_per_s" (their median), "samples_per_s" (median, --path rollout), "peak_rss_gb"}
 then one line per variant with its ratio to the first variant.
 """
 from __future__ import annotations
@@ -43,12 +50,12 @@ def run_variant(args) -> dict:
 
     torch.set_num_threads(args.threads)
     from async_rl.config import load_config
-    from async_rl.engines import make_engine
-    from async_rl.prompting import stop_token_ids
-    from async_rl.runtime import make_prompt_format, make_task_from_config, peak_rss_mb
+    from async_rl.actor.engines import make_engine
+    from async_rl.tasks.prompt_format import stop_token_ids
+    from async_rl.run.runtime import make_prompt_format, make_task_from_config, peak_rss_mb
 
     engine_name, dtype, *extra = args.worker.split(":")
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.set)
     prompt_format = make_prompt_format(cfg)
     task = make_task_from_config(cfg)
     prompts = [prompt_format.encode(task.train_prompt(i)) for i in range(args.prompts)]
@@ -67,17 +74,46 @@ def run_variant(args) -> dict:
         engine._folded = None
     init_s = time.perf_counter() - started
     generator = torch.Generator().manual_seed(cfg.seed)
-    rates = []
+    make_samples = rollout_path(cfg, task, prompt_format, args) if args.path == "rollout" else None
+    rates, sample_rates = [], []
     for _ in range(args.calls):
         started = time.perf_counter()
-        out = engine.generate(prompts, n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              generator=generator)
-        rates.append(sum(len(c) for group in out for c in group) / (time.perf_counter() - started))
+        if make_samples is not None:
+            tokens, samples = make_samples(engine, generator)
+        else:
+            out = engine.generate(prompts, n=args.n, max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, generator=generator)
+            tokens, samples = sum(len(c) for group in out for c in group), args.prompts * args.n
+        elapsed = time.perf_counter() - started
+        rates.append(tokens / elapsed)
+        sample_rates.append(samples / elapsed)
     timed = rates[1:]
     return {"engine": engine_name, "dtype": dtype + (f":{lora}" if lora else ""), "threads": args.threads,
-            "init_s": round(init_s, 1),
+            "path": args.path, "init_s": round(init_s, 1),
             "calls_tokens_per_s": [round(r, 1) for r in timed], "tokens_per_s": round(statistics.median(timed), 1),
+            "samples_per_s": round(statistics.median(sample_rates[1:]), 1),
             "peak_rss_gb": round(peak_rss_mb() / 1024, 2)}
+
+
+def rollout_path(cfg, task, prompt_format, args):
+    """A function (engine, generator) -> (tokens, samples) that runs one work grant of
+    the config's first --prompts training prompts through the actors' sample-making path."""
+    from async_rl.actor.process import rollout
+    from async_rl.tasks import PromptIndex
+    from async_rl.wire import WorkGrant
+    from async_rl.wire.codec import decode
+
+    cfg.train.group_size, cfg.actors.max_new_tokens, cfg.actors.temperature = args.n, args.max_new_tokens, \
+        args.temperature
+    grant = WorkGrant(groups=list(range(args.prompts)), prompt_ids=list(range(args.prompts)))
+    prompts = PromptIndex(task)
+
+    def run(engine, generator):
+        groups = [decode(frames) for frames in rollout(engine, prompt_format, task, prompts, cfg, grant, 0,
+                                                        generator)]
+        return sum(int(g.response_lengths.sum()) for g in groups), sum(len(g.response_lengths) for g in groups)
+
+    return run
 
 
 def main(argv=None) -> int:
@@ -90,6 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--calls", type=int, default=4, help="generate calls per variant; the first is a warm-up")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--path", choices=["engine", "rollout"], default="engine",
+                    help="time engine.generate alone, or the actors' whole sample-making path")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # engine:dtype, run in this process
     args = ap.parse_args(argv)
     if args.calls < 2:
@@ -113,7 +152,8 @@ def main(argv=None) -> int:
         print(f"{r['engine']}:{r['dtype']}: {r['tokens_per_s']:.0f} tokens/s "
               f"({min(r['calls_tokens_per_s']):.0f}-{max(r['calls_tokens_per_s']):.0f}), "
               f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x {base['engine']}:{base['dtype']}, "
-              f"start {r['init_s']:.0f} s, peak RSS {r['peak_rss_gb']:.2f} GiB")
+              f"start {r['init_s']:.0f} s, peak RSS {r['peak_rss_gb']:.2f} GiB"
+              + (f", {r['samples_per_s']:.0f} samples/s" if r["path"] == "rollout" else ""))
     return 0
 
 
