@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from async_rl.weight_sync import WeightBroadcaster, WeightReceiver  # noqa: E402
+from async_rl.weight_transfer import WeightBroadcaster, WeightReceiver  # noqa: E402
 from bench_learner import QWEN25_05B, TINY  # noqa: E402  (the learner benchmark's shapes)
 
 

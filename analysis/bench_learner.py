@@ -46,7 +46,7 @@ dtype and thread count: the model's own matmuls (each linear layer's weight time
 micro-batch's tokens, and the output projection times its scored tokens) timed one by
 one, peak = their FLOPs / their time (`matmul_peak_tflops`, reported on both devices).
 
-Generation: `async_rl.engines.torch_engine.TorchEngine` on one device (rank 0's),
+Generation: `async_rl.actor.engines.torch_engine.TorchEngine` on one device (rank 0's),
 an unsharded copy of the same model in the same dtype, --gen-prompts prompts x 1
 sample, sampling exactly --gen-tokens new tokens (no EOS in the config, so no row
 stops early); tokens/s = generated tokens / wall time of `generate`.
@@ -77,9 +77,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from async_rl.batching import assign_to_ranks, build_batch  # noqa: E402
-from async_rl.runtime import peak_rss_mb  # noqa: E402
-from async_rl.transport import ExperienceGroup, Response  # noqa: E402
+from async_rl.learner.batching import assign_to_ranks, build_batch  # noqa: E402
+from async_rl.run.runtime import peak_rss_mb  # noqa: E402
+from async_rl.wire import ExperienceGroup, Response  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
@@ -222,8 +222,8 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
     from torch.distributed.device_mesh import init_device_mesh
 
     from async_rl.config import build_config
-    from async_rl.models.sharding import adamw, shard_model
-    from async_rl.train_step import Models, micro_batch_plan, train_step
+    from async_rl.learner.sharding import adamw, shard_model
+    from async_rl.learner.step import Models, micro_batch_plan, train_step
 
     mcfg = model_config(args)
     groups = synthetic_groups(args, mcfg.vocab_size)
@@ -289,7 +289,7 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
 
 
 def bench_generate(args, device: torch.device) -> dict:
-    from async_rl.engines.torch_engine import TorchEngine
+    from async_rl.actor.engines.torch_engine import TorchEngine
 
     mcfg = model_config(args)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32

@@ -20,7 +20,7 @@ process with --trl-threads torch threads. Both train on the same prompts in the 
 order (task.train_prompt(0), (1), ...) rendered the same way (the chat template when the
 config uses one; peer_trl.py checks the token ids), score them with the task's own reward
 on the decoded completion without special tokens, and evaluate greedily on the first
-eval.size held-out prompts with the same code (async_rl.evaluation.score_prompts) every
+eval.size held-out prompts with the same code (async_rl.coordinator.eval_rounds.score_prompts) every
 --eval-every steps and at step 0. A run stops at the first evaluation after step 0 that
 reaches --target (async-rl by SIGTERM, its checkpoint written after the measurement) or
 at --max-steps.
@@ -83,7 +83,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's async_rl, whatever copy is inst
 CONFIG = ROOT / "configs/demo.yaml"
 SYSTEMS = ("trl", "async-rl")
 
-from async_rl.run_dir import RunDir  # noqa: E402  (after the path above)
+from async_rl.run.directory import RunDir  # noqa: E402  (after the path above)
 
 
 def load_run_config(config: Path, seed: int, sets: list[str], max_steps: int, eval_every: int,
@@ -108,7 +108,7 @@ def base_model(args, seed: int) -> Path:
     cfg = run_config(args, seed, "async-rl")
     if cfg.model.path != "demo":
         return Path(cfg.model.path).resolve()  # as `async-rl train` reads it: from the working directory
-    from async_rl.launcher import ensure_demo_model
+    from async_rl.run.launcher import ensure_demo_model
 
     say(f"seed {seed}: the demo base model in {args.out / f'seed{seed}' / 'base_model'}")
     return ensure_demo_model(cfg, (args.out / f"seed{seed}" / "base_model").resolve())

@@ -1,4 +1,4 @@
-"""Weight-sync bandwidth: the bucketed sync of async_rl.weight_sync against one
+"""Weight-sync bandwidth: the bucketed sync of async_rl.weight_transfer against one
 flat-buffer broadcast of the same bytes, over the same process group.
 
     python analysis/bench_sync.py [--sizes-mb 10 50 200] [--bucket-mb 16] [--receivers 2]
@@ -76,8 +76,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from async_rl.weight_sync import WeightBroadcaster, WeightReceiver, broadcast  # noqa: E402
-from async_rl.weight_sync.gloo_chain import chained, receive_chain, send_chain  # noqa: E402
+from async_rl.weight_transfer import WeightBroadcaster, WeightReceiver, broadcast  # noqa: E402
+from async_rl.weight_transfer.gloo_chain import chained, receive_chain, send_chain  # noqa: E402
 
 MODES = ("flat", "bucketed", "nocopy")
 

@@ -45,7 +45,7 @@ from pipeline_model import simulate, stationary, with_actors
 from simulate import calibrate, measure_run
 
 from async_rl.config import load_config
-from async_rl.run_dir import RunDir
+from async_rl.run.directory import RunDir
 
 DEFAULT_CELLS = ["base", "actors=2", "actors=4", "tokens=64", "tokens=128", "batch=4", "batch=16"]
 SHORT_RUN = ["eval.every=0", "eval.size=8", "eval.batch_size=8", "checkpoint.every=0"]
@@ -111,7 +111,7 @@ def predict(base_dir: Path, cell: str, cell_dir: Path, prompt_tokens: float, cor
 
 
 def mean_prompt_tokens(cfg, n: int = 64) -> float:
-    from async_rl.runtime import make_prompt_format, make_task_from_config
+    from async_rl.run.runtime import make_prompt_format, make_task_from_config
 
     task, fmt = make_task_from_config(cfg), make_prompt_format(cfg)
     return statistics.mean(len(fmt.encode(task.train_prompt(i))) for i in range(n))

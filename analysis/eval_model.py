@@ -33,11 +33,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from async_rl.config import ConfigError, load_config
-    from async_rl.engines import make_engine
-    from async_rl.evaluation import score_prompts, summarize
-    from async_rl.prompting import stop_token_ids
-    from async_rl.runtime import make_prompt_format, make_task_from_config, quiet_libraries
-    from async_rl.tasks.reward_guard import REASONS, RewardGuard
+    from async_rl.actor.engines import make_engine
+    from async_rl.coordinator.eval_rounds import score_prompts, summarize
+    from async_rl.tasks.prompt_format import stop_token_ids
+    from async_rl.run.runtime import make_prompt_format, make_task_from_config, quiet_libraries
+    from async_rl.user_code import REASONS, RewardGuard
 
     try:
         cfg = load_config(args.config, [*args.overrides, f"model.path={args.model}"])

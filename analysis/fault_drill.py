@@ -42,7 +42,7 @@ from pathlib import Path
 
 from staleness_sweep import base_model  # sibling script: the same shared base model
 
-from async_rl.run_dir import RunDir
+from async_rl.run.directory import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo.yaml"
@@ -104,7 +104,7 @@ def hostile_messages(n: int, seed: int = 0) -> list[list[bytes]]:
     import msgpack
     import numpy as np
 
-    from async_rl.transport import ExperienceGroup, Heartbeat, SyncDone, WorkRequest, encode
+    from async_rl.wire import ExperienceGroup, Heartbeat, SyncDone, WorkRequest, encode
 
     rng = random.Random(seed)
     g, t = 8, 4  # responses of t tokens each
@@ -264,7 +264,7 @@ def drill_stall_actor(args) -> dict:
 
 # -- kill-job --------------------------------------------------------------------------
 def drill_kill_job(args) -> dict:
-    from async_rl.runtime import process_tree
+    from async_rl.run.runtime import process_tree
 
     every = args.checkpoint_every
     proc, run = start_run(args, "kill-job", f"checkpoint.every={every}")

@@ -1,4 +1,4 @@
-"""What the multi-run analysis scripts share besides reading runs (async_rl.run_dir):
+"""What the multi-run analysis scripts share besides reading runs (async_rl.run.directory):
 their command line, legend labels, smoothing, and writing figures without a display.
 
     from figures import add_run_arguments, pyplot, save_figure   # analysis scripts import their sibling module
@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from async_rl.run_dir import Run, load_run
+from async_rl.run.directory import Run, load_run
 
 
 def add_run_arguments(parser) -> None:

@@ -144,7 +144,7 @@ def section_async_run(dry: bool, work: Path):
         else [cmd]
 
     def parse(out: str) -> dict:
-        from async_rl.run_dir import RunDir
+        from async_rl.run.directory import RunDir
 
         run = RunDir(run_dir)
         steps_, evals = run.steps_and_evals()

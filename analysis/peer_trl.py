@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_peer, beside this script
 from bench_peer import load_run_config  # noqa: E402  (bench_peer puts this checkout's async_rl first)
 
-from async_rl.run_dir import RunDir  # noqa: E402
+from async_rl.run.directory import RunDir  # noqa: E402
 
 
 def trl_settings(cfg, output_dir: Path) -> dict:
@@ -92,10 +92,10 @@ def run(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from async_rl.engines.torch_engine import TorchEngine
-    from async_rl.evaluation import score_prompts, summarize
-    from async_rl.prompting import stop_token_ids
-    from async_rl.runtime import make_prompt_format, make_task_from_config
+    from async_rl.actor.engines.torch_engine import TorchEngine
+    from async_rl.coordinator.eval_rounds import score_prompts, summarize
+    from async_rl.tasks.prompt_format import stop_token_ids
+    from async_rl.run.runtime import make_prompt_format, make_task_from_config
 
     run_dir = args.out
     cfg = load_run_config(args.config, args.seed, args.set, args.max_steps, args.eval_every, args.model)

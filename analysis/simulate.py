@@ -49,7 +49,7 @@ from pathlib import Path
 
 from pipeline_model import Params, default_skip, simulate, stationary, window_summary, with_actors
 
-from async_rl.run_dir import load_run, step_staleness_counts
+from async_rl.run.directory import load_run, step_staleness_counts
 
 # -- calibration from a run directory ---------------------------------------------------------
 def _cv(xs: list[float]) -> float:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from figures import add_run_arguments, labels, load_runs, pyplot, rolling, save_figure, smoothing_window, write_plots
 
-from async_rl.run_dir import Run, step_staleness_counts
+from async_rl.run.directory import Run, step_staleness_counts
 
 PLOTS = ("staleness_hist.png", "staleness_time.png", "is_ess.png")
 COMPARE = "staleness_compare.png"

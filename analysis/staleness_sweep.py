@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from async_rl.run_dir import RunDir, is_eval, is_step
+from async_rl.run.directory import RunDir, is_eval, is_step
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = {
@@ -74,7 +74,7 @@ def base_model(args: argparse.Namespace) -> Path:
     from async_rl.config import load_config
     from async_rl.models import build_demo_model
     from async_rl.models.demo import INFO_FILE
-    from async_rl.runtime import make_task_from_config
+    from async_rl.run.runtime import make_task_from_config
 
     cfg = load_config(args.config, [f"seed={args.seed}", *args.set])
     if cfg.model.path != "demo":

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from async_rl.run_dir import RunDir
+from async_rl.run.directory import RunDir
 
 
 def summarize(run_dir: Path, target: float) -> dict:

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from figures import add_run_arguments, labels, load_runs, pyplot, rolling, save_figure, smoothing_window, write_plots
 
-from async_rl.run_dir import Run, TraceSpan, track_role
+from async_rl.run.directory import Run, TraceSpan, track_role
 
 COLUMNS = ("generate", "score", "push", "train-step", "eval", "checkpoint", "sync", "wait")
 WAITS = {"learner": "wait-for-data", "actor": "wait-for-admission"}

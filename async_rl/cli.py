@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_config
+from async_rl.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,12 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     if args.command == "config-doc":
-        from .config import reference_markdown
+        from async_rl.config import reference_markdown
 
         print(reference_markdown())
         return 0
     if args.command == "convert-gguf":
-        from .models.gguf import ConversionError, convert
+        from async_rl.models.gguf import ConversionError, convert
 
         try:
             print(f"async-rl: {convert(args.source, args.out, dtype=args.dtype, force=args.force)}")
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "keys":
-        from .transport.security import make_keys
+        from async_rl.wire.curve import make_keys
 
         try:
             print(f"CURVE keys written to {make_keys(args.dir)}; copy the directory to actor machines")
@@ -72,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         import faulthandler
 
         faulthandler.enable()  # a crash in native code (gloo, BLAS) still prints where each thread was
-        from .roles.actor import run_actor  # the heavy imports come before any waiting
-        from .runtime import exit_now, preload_model_libraries
+        from async_rl.actor.process import run_actor  # the heavy imports come before any waiting
+        from async_rl.run.runtime import exit_now, preload_model_libraries
 
         hub = args.hub
         if hub is None:
-            from .run_dir import RunDir
+            from async_rl.run.directory import RunDir
 
             preload_model_libraries()
             try:
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_now(run_actor(hub, args.name, args.keys, args.connect_timeout))  # the actor held gloo groups: see exit_now
     try:
         cfg = load_config(args.config, args.overrides)
-        from .launcher import prepare, train
+        from async_rl.run.launcher import prepare, train
 
         if args.command == "prepare":
             import contextlib

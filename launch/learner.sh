@@ -111,11 +111,11 @@ echo "learner.sh: run directory $run_dir${checkpoint:+, resuming from $(basename
 
 export PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
-# torchrun, with its multi-line failure report sent to RUN_DIR/logs (async_rl.roles.learner_world)
-"$PYTHON" -m async_rl.roles.learner_world "$run_dir" --nnodes="$NNODES" --node-rank="$NODE_RANK" \
+# torchrun, with its multi-line failure report sent to RUN_DIR/logs (async_rl.learner.world)
+"$PYTHON" -m async_rl.learner.world "$run_dir" --nnodes="$NNODES" --node-rank="$NODE_RANK" \
     --nproc-per-node="$NPROC_PER_NODE" --rdzv-backend="$RDZV_BACKEND" \
     --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID" \
-    -m async_rl.roles.learner "$run_dir/config.yaml" ${checkpoint:+--resume "$checkpoint"} &
+    -m async_rl.learner "$run_dir/config.yaml" ${checkpoint:+--resume "$checkpoint"} &
 learner=$!  # a background job ignores SIGINT: Ctrl-C reaches torchrun only as the SIGTERM below
 
 interrupted=0
@@ -149,7 +149,7 @@ started=$SECONDS
 while kill -0 "$learner" 2>/dev/null; do
     if [[ $announced -eq 0 && -f $run_dir/endpoints.json ]]; then
         announced=1
-        hub=$("$PYTHON" -c 'import sys; from async_rl.run_dir import RunDir; print(RunDir(sys.argv[1]).endpoints()["hub"])' "$run_dir")
+        hub=$("$PYTHON" -c 'import sys; from async_rl.run.directory import RunDir; print(RunDir(sys.argv[1]).endpoints()["hub"])' "$run_dir")
         echo "learner.sh: hub $hub (RUN_DIR/endpoints.json); start actors with:" >&2
         echo "    HUB=$hub${KEYS:+ KEYS=<copy of $KEYS>} NUM_ACTORS=<n> launch/actors.sh" >&2
         if [[ $hub == tcp://127.* || $hub == tcp://localhost:* ]]; then
@@ -167,16 +167,16 @@ trap - EXIT
 cleanup
 
 if [[ $NODE_RANK -eq 0 ]]; then
-    "$PYTHON" -c 'import sys; from pathlib import Path; from async_rl.launcher import print_summary; print_summary(Path(sys.argv[1]))' "$run_dir" || true
+    "$PYTHON" -c 'import sys; from pathlib import Path; from async_rl.run.launcher import print_summary; print_summary(Path(sys.argv[1]))' "$run_dir" || true
 fi
 if [[ $interrupted -eq 1 ]]; then exit 130; fi
 if [[ $rc -ne 0 ]]; then
-    reason=$("$PYTHON" -c 'import sys; from async_rl.run_dir import RunDir; s = RunDir(sys.argv[1]).status() or {}; print(s.get("reason", "") if s.get("exit_code") else "")' "$run_dir" 2>/dev/null || true)
+    reason=$("$PYTHON" -c 'import sys; from async_rl.run.directory import RunDir; s = RunDir(sys.argv[1]).status() or {}; print(s.get("reason", "") if s.get("exit_code") else "")' "$run_dir" 2>/dev/null || true)
     echo "learner.sh: the learner failed: ${reason:-exit status $rc}; details in $run_dir/logs; continue from the last checkpoint with: RESUME=$run_dir launch/learner.sh $run_dir/config.yaml (on every learner node)" >&2
 fi
 if [[ $rc -eq 0 && -f $run_dir/status.json ]]; then
     # The learner exits 0 and records why it stopped (e.g. 3: too many non-finite steps).
-    read -r code reason < <("$PYTHON" -c 'import sys; from async_rl.run_dir import RunDir; s = RunDir(sys.argv[1]).status(); print(int(s["exit_code"]), s["reason"])' "$run_dir")
+    read -r code reason < <("$PYTHON" -c 'import sys; from async_rl.run.directory import RunDir; s = RunDir(sys.argv[1]).status(); print(int(s["exit_code"]), s["reason"])' "$run_dir")
     if [[ $code -ne 0 ]]; then
         echo "learner.sh: $reason" >&2
         exit "$code"

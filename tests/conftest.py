@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from async_rl.run_dir import RunDir
-from async_rl.transport import RejectCounter, WireLimits, recv, send
+from async_rl.run.directory import RunDir
+from async_rl.wire import RejectCounter, WireLimits, recv, send
 
 ROOT = Path(__file__).resolve().parents[1]
 INTEGRATION = Path(__file__).resolve().parent / "integration"
@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(items):
 
 def vllm_missing() -> str:
     """Why vLLM cannot run here ("" when it can)."""
-    from async_rl.weight_sync.vllm_api import VLLMUnavailable, require_vllm
+    from async_rl.weight_transfer.vllm.api import VLLMUnavailable, require_vllm
 
     try:
         require_vllm()
@@ -114,7 +114,7 @@ def kill_tree(proc: subprocess.Popen) -> list[int]:
     import signal
     import time
 
-    from async_rl.runtime import process_tree
+    from async_rl.run.runtime import process_tree
 
     tree = process_tree(proc.pid)
     for pid in tree:
@@ -156,9 +156,9 @@ def running_coordinator(run_dir: Path, config: dict, **options):
     import zmq
 
     from async_rl.config import build_config
-    from async_rl.roles.coordinator import Coordinator
+    from async_rl.coordinator.coordinator import Coordinator
     from async_rl.tasks import make_task
-    from async_rl.weight_sync import WeightBroadcaster
+    from async_rl.weight_transfer import WeightBroadcaster
 
     cfg = build_config({"max_staleness": 0, "learner": {"ranks": 1}, "transport": {"timeout_s": 5}, **config})
     task = make_task("arithmetic", seed=0)
@@ -314,7 +314,7 @@ def layout_categories(acc) -> list[str]:
 
 
 def text_at(acc, step: int) -> str:
-    from async_rl.metrics import GENERATIONS_TAG
+    from async_rl.run.metrics import GENERATIONS_TAG
 
     events = [e for e in acc.Tensors(f"{GENERATIONS_TAG}/text_summary") if e.step == step]
     assert len(events) == 1

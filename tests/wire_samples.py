@@ -5,7 +5,7 @@ import msgpack
 import numpy as np
 from msgspec.structs import replace
 
-from async_rl.transport import (
+from async_rl.wire import (
     SCHEMA,
     EvalGrant,
     EvalResult,

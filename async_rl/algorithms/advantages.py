@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .gae import gae_advantages
-from .normalization import ReduceSum
+from async_rl.algorithms.gae import gae_advantages
+from async_rl.algorithms.normalization import ReduceSum
 
 if TYPE_CHECKING:
-    from ..config import TrainConfig
+    from async_rl.config import TrainConfig
 
 GROUP_METHODS: tuple[str, ...] = ("grpo", "drgrpo", "rloo")
 _STD_EPS = 1e-6

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .aggregation import aggregate
+from async_rl.algorithms.aggregation import aggregate
 
 
 def gae_advantages(

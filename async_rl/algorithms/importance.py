@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from .kl import kl_estimate
-from .step_metrics import Figure, Mean
+from async_rl.algorithms.kl import kl_estimate
+from async_rl.algorithms.step_metrics import Figure, Mean
 
 
 class EffectiveSampleSize(NamedTuple):

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from .aggregation import agg_denominator
-from .opmd import opmd_loss
-from .ppo import ppo_clip_loss
-from .step_metrics import Figure, Mean
+from async_rl.algorithms.aggregation import agg_denominator
+from async_rl.algorithms.opmd import opmd_loss
+from async_rl.algorithms.ppo import ppo_clip_loss
+from async_rl.algorithms.step_metrics import Figure, Mean
 
 if TYPE_CHECKING:
-    from ..config import TrainConfig
+    from async_rl.config import TrainConfig
 
 # Logged on every step line whatever the loss (DESIGN.md lists is/clip_frac).
 CLIP_FRACTIONS: tuple[str, ...] = (

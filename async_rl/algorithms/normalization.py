@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .aggregation import agg_denominator
+from async_rl.algorithms.aggregation import agg_denominator
 
 if TYPE_CHECKING:
-    from .losses import PolicyLoss
+    from async_rl.algorithms.losses import PolicyLoss
 
 # Sums a tensor over all learner ranks (an all_reduce), so that statistics are those
 # of the global batch, not of one rank's shard.

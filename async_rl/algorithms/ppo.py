@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .aggregation import aggregate
+from async_rl.algorithms.aggregation import aggregate
 
 IS_MODES: tuple[str, ...] = ("truncate", "mask")
 

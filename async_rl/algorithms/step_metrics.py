@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from .normalization import ReduceSum
+from async_rl.algorithms.normalization import ReduceSum
 
 
 class Figure(Protocol):

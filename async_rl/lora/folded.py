@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .adapters import adapter_parameters
+from async_rl.lora.adapters import adapter_parameters
 
 
 def foldable(dtype: torch.dtype) -> bool:

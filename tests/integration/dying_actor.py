@@ -9,8 +9,8 @@ import signal
 import sys
 
 from async_rl.cli import main
-from async_rl.weight_sync import receiver as weight_receiver
-from async_rl.weight_sync import gloo_chain
+from async_rl.weight_transfer import receiver as weight_receiver
+from async_rl.weight_transfer import gloo_chain
 
 die_in_sync = int(sys.argv.pop(1))
 syncs = buckets = 0

@@ -7,7 +7,7 @@ import math
 import pytest
 from conftest import read_metrics, train
 
-from async_rl.metrics import STEP_KEYS
+from async_rl.run.metrics import STEP_KEYS
 
 CASES = {
     # choice: (overrides, keys that must appear on every step line)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import read_metrics, subprocess_env, train
 
-from async_rl.run_dir import RunDir
+from async_rl.run.directory import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]
 STALENESS = ROOT / "analysis/staleness.py"

@@ -22,7 +22,7 @@ import zmq
 from conftest import running_coordinator, subprocess_env
 from conftest import ask, dealer
 
-from async_rl.transport import ExperienceGroup, Hello, Welcome, WireLimits, WorkGrant, WorkRequest, encode
+from async_rl.wire import ExperienceGroup, Hello, Welcome, WireLimits, WorkGrant, WorkRequest, encode
 
 ETA, B, G, PER_REQUEST = 1, 4, 4, 2
 
@@ -40,10 +40,10 @@ def coordinator_for_model(run_dir: Path, config: dict, model_path: Path, limits:
     parameters, so a real actor can take part in a weight sync; yields (coordinator, engine)
     where the engine's parameters are what the test publishes as the learner's weights."""
     from async_rl.config import build_config
-    from async_rl.engines.torch_engine import TorchEngine
-    from async_rl.roles.coordinator import Coordinator
+    from async_rl.actor.engines.torch_engine import TorchEngine
+    from async_rl.coordinator.coordinator import Coordinator
     from async_rl.tasks import make_task
-    from async_rl.weight_sync import WeightBroadcaster
+    from async_rl.weight_transfer import WeightBroadcaster
 
     cfg = build_config({"learner": {"ranks": 1}, "model": {"path": str(model_path), "device": "cpu"}, **config})
     engine = TorchEngine(str(model_path), device=torch.device("cpu"))

@@ -8,8 +8,8 @@ import pytest
 import zmq
 from conftest import running_coordinator, subprocess_env
 
-from async_rl.transport import Hello, RejectCounter, Welcome, WireLimits, recv, send
-from async_rl.transport.security import make_keys, secure_client
+from async_rl.wire import Hello, RejectCounter, Welcome, WireLimits, recv, send
+from async_rl.wire.curve import make_keys, secure_client
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, alive, kill_tree, subprocess_env
 
-from async_rl.run_dir import RunDir
+from async_rl.run.directory import RunDir
 
 MAX_STALENESS = 2  # configs/demo.yaml
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from conftest import alive, kill_tree, read_metrics, subprocess_env, train
 
-from async_rl.metrics import EVAL_KEYS, STEP_KEYS
-from async_rl.run_dir import RunDir
+from async_rl.run.metrics import EVAL_KEYS, STEP_KEYS
+from async_rl.run.directory import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,7 @@ def test_cut_responses_are_flagged_to_the_learner_and_a_run_that_cannot_learn_sa
     one line with the likely cause, and trains on."""
     import numpy as np
 
-    from async_rl.checkpoint import BUFFER_FILE, read_groups
+    from async_rl.learner.checkpoint import BUFFER_FILE, read_groups
 
     run = tmp_path / "cut"
     (tmp_path / "never.py").write_text("def score(prompt, response, answer):\n    return 0.0\n")

@@ -11,8 +11,8 @@ from msgspec.structs import replace
 from conftest import ROOT, kill_tree, read_metrics, subprocess_env
 from wire_samples import CASES, make_group
 
-from async_rl.run_dir import RunDir
-from async_rl.transport import WorkRequest, encode
+from async_rl.run.directory import RunDir
+from async_rl.wire import WorkRequest, encode
 
 # Well-formed messages the coordinator's state must refuse.
 STATEFUL = {

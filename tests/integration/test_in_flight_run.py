@@ -29,7 +29,7 @@ def test_in_flight_run_has_mixed_version_samples(tmp_path, demo_model) -> None:
             s["staleness/mean"] == pytest.approx(s["actors/token_staleness_mean"])
     assert any(s["actors/mixed_version_frac"] > 0 for s in steps), [s["actors/mixed_version_frac"] for s in steps]
     # The groups still buffered at the end (real ExperienceGroups, from the final checkpoint).
-    from async_rl.checkpoint import BUFFER_FILE, read_groups
+    from async_rl.learner.checkpoint import BUFFER_FILE, read_groups
 
     final = sorted((run / "checkpoints").iterdir())[-1]
     for _, version, g in read_groups(final / BUFFER_FILE):

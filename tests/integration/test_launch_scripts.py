@@ -6,7 +6,7 @@ import time
 
 from conftest import ROOT, alive, kill_tree, read_metrics, subprocess_env
 
-from async_rl.run_dir import RunDir
+from async_rl.run.directory import RunDir
 
 
 def _free_port() -> int:
@@ -16,7 +16,7 @@ def _free_port() -> int:
 
 
 def _descendants(pid: int) -> set[int]:
-    from async_rl.runtime import process_tree
+    from async_rl.run.runtime import process_tree
 
     return set(process_tree(pid)[1:])
 
@@ -86,7 +86,7 @@ def test_learner_script_exits_with_the_status_the_learner_recorded(tmp_path, dem
 
     stub = tmp_path / "python"
     stub.write_text(f"""#!/usr/bin/env bash
-if [[ $1 == -m && $2 == async_rl.roles.learner_world ]]; then
+if [[ $1 == -m && $2 == async_rl.learner.world ]]; then
     echo '{{"exit_code": 3, "reason": "stopped: 3 non-finite steps"}}' >"$(dirname "${{@: -1}}")/status.json"
     exit 0
 fi

@@ -12,9 +12,9 @@ import pytest
 from conftest import ROOT, alive, kill_tree, subprocess_env
 
 from async_rl.config import ConfigError
-from async_rl.run_dir import RunDir
-from async_rl.run_lock import RunLock
-from async_rl.runtime import process_tree
+from async_rl.run.directory import RunDir
+from async_rl.run.lock import RunLock
+from async_rl.run.runtime import process_tree
 
 SMALL = ["train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4", "task.eval_size=32",
          "eval.every=0", "learner.ranks=1"]
@@ -150,7 +150,7 @@ def test_a_full_disk_when_the_launcher_writes_is_one_line(tmp_path, demo_model):
 def test_root_cause_is_the_killed_rank_else_the_first_error_written(tmp_path):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from async_rl.roles.learner_world import root_cause
+    from async_rl.learner.world import root_cause
 
     def failure(rank, exitcode):
         return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file="")

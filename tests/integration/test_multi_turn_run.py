@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, read_metrics, subprocess_env, train
 
 ENV = '''
-from async_rl.envs import Turn
+from async_rl.actor.environments import Turn
 
 
 class TwoQuestions:

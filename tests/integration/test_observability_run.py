@@ -6,8 +6,8 @@ import json
 import pytest
 from conftest import layout_categories, read_metrics, read_tensorboard, text_at, train
 
-from async_rl.metrics import GENERATIONS_TAG, HISTOGRAM_TAGS, STEP_KEYS
-from async_rl.run_dir import load_run, read_trace
+from async_rl.run.metrics import GENERATIONS_TAG, HISTOGRAM_TAGS, STEP_KEYS
+from async_rl.run.directory import load_run, read_trace
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_a_run_writes_histograms_texts_and_the_layout_to_tensorboard(run):
 def test_every_step_line_has_the_documented_metrics(run):
     """docs/observability.md's step metrics (the algorithm diagnostics aside), each
     with the meaning it documents for this run: 8 groups of 4 per step, nothing dropped."""
-    from async_rl.tasks.reward_guard import REASONS
+    from async_rl.user_code import REASONS
 
     documented = {
         "train/reward_mean", "train/samples", "train/response_len_mean", "train/response_len_max",

@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT, subprocess_env
 
 from async_rl.cli import main
-from async_rl.run_dir import RunDir
+from async_rl.run.directory import RunDir
 
 
 def prepare(tmp_path, model, *overrides):
@@ -116,7 +116,7 @@ def test_a_reward_module_in_the_working_directory_reaches_the_spawned_processes(
 def test_learner_ranks_auto_is_one_on_cpu_one_per_gpu_and_must_divide_the_batch(monkeypatch):
     import torch
 
-    import async_rl.launcher as launcher
+    import async_rl.run.launcher as launcher
     from async_rl.config import ConfigError, load_config
 
     cfg = load_config(ROOT / "configs/demo.yaml", ["model.device=cpu"])

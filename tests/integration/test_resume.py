@@ -10,8 +10,8 @@ import msgpack
 import pytest
 from conftest import ROOT, kill_tree, read_metrics, subprocess_env, train
 
-from async_rl.checkpoint import BUFFER_FILE, read_groups, write_groups
-from async_rl.checkpoint_integrity import latest_checkpoint
+from async_rl.learner.checkpoint import BUFFER_FILE, read_groups, write_groups
+from async_rl.run.checkpoints import latest_checkpoint
 
 SMALL = ["train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4", "task.eval_size=32",
          "eval.every=5", "max_staleness=2"]
@@ -99,7 +99,7 @@ def test_buffer_file_round_trips_groups_in_wire_format(tmp_path):
     # A tampered file fails loudly through the wire validator, it is not trusted.
     with open(tmp_path / "bad", "wb") as f:
         f.write(msgpack.packb([1, 0, [b"\x00garbage"]]))
-    from async_rl.transport import WireError
+    from async_rl.wire import WireError
 
     with pytest.raises(WireError):
         read_groups(tmp_path / "bad")

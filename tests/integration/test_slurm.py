@@ -17,7 +17,7 @@ import time
 import pytest
 from conftest import ROOT, load_analysis, read_metrics, subprocess_env
 
-from async_rl.run_dir import RunDir
+from async_rl.run.directory import RunDir
 
 netns_bed = load_analysis("netns_bed")
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")

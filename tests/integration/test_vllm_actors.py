@@ -23,9 +23,9 @@ from transformers import AutoModelForCausalLM
 from conftest import ROOT, subprocess_env, wait_for_job
 from vllm_models import PROMPTS, learner_like, save_model
 
-from async_rl.engines.torch_engine import TorchEngine
-from async_rl.run_dir import RunDir
-from async_rl.weight_sync import WeightBroadcaster
+from async_rl.actor.engines.torch_engine import TorchEngine
+from async_rl.run.directory import RunDir
+from async_rl.weight_transfer import WeightBroadcaster
 
 pytestmark = pytest.mark.vllm
 
@@ -36,12 +36,12 @@ def actor(model_dir: str, conn, die_after_chunks: int | None) -> None:
     """A vLLM actor's weight side, driven over a pipe; with `die_after_chunks` its process
     is killed (SIGKILL, no clean-up) once that many chunks have arrived."""
     torch.set_num_threads(1)
-    from async_rl.engines import make_engine
+    from async_rl.actor.engines import make_engine
 
     engine = make_engine("vllm", model_or_path=model_dir, device="cpu", kv_cache_gb=0.25)
     receiver = engine.weight_receiver(bucket_mb=BUCKET_MB, timeout_s=10)
     if die_after_chunks is not None:
-        from async_rl.weight_sync import vllm_gloo
+        from async_rl.weight_transfer.vllm import gloo_plugin as vllm_gloo
 
         real, seen = vllm_gloo.broadcast, [0]
 
@@ -172,7 +172,7 @@ def test_a_training_run_with_vllm_actors_learns(tmp_path) -> None:
 
 
 RETRY_ENV = '''
-from async_rl.envs import Turn
+from async_rl.actor.environments import Turn
 
 
 class Retry:

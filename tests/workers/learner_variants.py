@@ -9,13 +9,13 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
-from async_rl.batching import scatter_batch
+from async_rl.learner.batching import scatter_batch
 from async_rl.config import build_config
 from async_rl.models.critic import ValueModel
-from async_rl.models.sharding import full_parameters, shard_model
-from async_rl.roles.learner_process import shutdown_world
-from async_rl.runtime import exit_now
-from async_rl.train_step import Models, train_step
+from async_rl.learner.sharding import full_parameters, shard_model
+from async_rl.learner.process import shutdown_world
+from async_rl.run.runtime import exit_now
+from async_rl.learner.step import Models, train_step
 from fsdp_step import VARIANTS, init_world, synthetic_groups
 
 PACKED = {"pack": True, "micro_batch_tokens": 40}  # a token budget: micro-batches of 1-3 groups

@@ -8,12 +8,12 @@ import torch
 
 pytest.importorskip("peft")
 
-from async_rl.batching import build_batch  # noqa: E402
-from async_rl.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from async_rl.learner.batching import build_batch  # noqa: E402
+from async_rl.learner.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from async_rl.config import build_config  # noqa: E402
 from async_rl.lora import is_adapter  # noqa: E402
-from async_rl.models.sharding import build_models, full_parameters  # noqa: E402
-from async_rl.train_step import train_step  # noqa: E402
+from async_rl.learner.sharding import build_models, full_parameters  # noqa: E402
+from async_rl.learner.step import train_step  # noqa: E402
 from workers.fsdp_step import synthetic_groups  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

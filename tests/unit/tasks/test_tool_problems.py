@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from async_rl.envs.calculator import evaluate
+from async_rl.actor.environments.calculator import evaluate
 from async_rl.tasks import EVAL_ID_OFFSET, ToolProblemsTask, make_task
 from async_rl.tasks.tool_problems import EXAMPLE, SYSTEM
 

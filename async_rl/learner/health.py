@@ -1,0 +1,63 @@
+"""Warnings that save a run: signs that training has nothing to learn from, said once.
+
+A run that silently learns nothing looks like any other in its progress bar. Two
+patterns account for most such runs of a new model or task, and both are visible in
+every batch:
+- **One-token responses**: most responses stop at their first token. A chat model
+  prompted without its chat template usually answers with its end-of-turn token at once.
+- **No reward variance**: in every group all samples got the same reward, so every
+  group-relative advantage is 0 and so is the policy gradient. All 0: the reward never
+  matches (answer format, reward function, or responses cut at the length limit); all
+  equal and nonzero: the task is already solved or the reward is constant.
+Each is reported once, as one log line naming the likely cause, after it has held for
+`metrics.warn_after_steps` steps in a row.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+log = logging.getLogger("async_rl.learner.health")
+
+
+class RunHealth:
+    def __init__(self, steps: int, uses_chat_template: bool, max_new_tokens: int) -> None:
+        self.steps, self.uses_chat, self.max_new_tokens = steps, uses_chat_template, max_new_tokens
+        self.streaks = {"one_token": 0, "no_variance": 0}
+        self.warned: set[str] = set()
+
+    def check(self, rewards: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, group_size: int) -> list[str]:
+        """Feed one batch (per-sample rewards, response lengths and truncation flags, in
+        whole groups); returns the warnings issued now (already logged)."""
+        grouped = rewards.reshape(-1, group_size)
+        findings = {"one_token": float((lengths <= 1).mean()) > 0.5,
+                    "no_variance": bool((grouped.max(axis=1) == grouped.min(axis=1)).all())}
+        issued = []
+        for name, present in findings.items():
+            self.streaks[name] = self.streaks[name] + 1 if present else 0
+            if self.streaks[name] >= self.steps and name not in self.warned:
+                self.warned.add(name)
+                issued.append(self._message(name, rewards, truncated))
+                log.warning(issued[-1])
+        return issued
+
+    def _message(self, name: str, rewards: np.ndarray, truncated: np.ndarray) -> str:
+        if name == "one_token" and self.max_new_tokens <= 1:
+            return f"most responses are one token long for {self.steps} steps: actors.max_new_tokens is 1"
+        if name == "one_token":
+            cause = ("the model ends its turn at once; a chat model needs its chat template (task.chat_template: it is "
+                     "off or the tokenizer has none)" if not self.uses_chat else
+                     "the model ends its turn at once; check the prompt format and the stop tokens")
+            return f"most responses are one token long for {self.steps} steps: {cause}"
+        mean = float(rewards.mean())
+        if mean == 0.0:
+            cut = float(truncated.mean())
+            cause = ("no response ever scores: check that the reward function reads the answer in the format the "
+                     "model writes (see the samples in TensorBoard's text tab)"
+                     + (f"; {cut:.0%} of responses are cut at actors.max_new_tokens={self.max_new_tokens}"
+                        if cut > 0.25 else ""))
+        else:
+            cause = f"every sample scores {mean:.3g}: the task is solved or the reward does not depend on the response"
+        return (f"every group has the same reward for all its samples for {self.steps} steps, so the policy gradient "
+                f"is zero: {cause}")

@@ -1,0 +1,76 @@
+"""What the learner's rank 0 knows of a step's batch, besides its tensors.
+
+The figures about the step's data under their metric names (docs/observability.md),
+and what the learner needs besides: sample and token counts for its throughput, the
+reward failures for its stop rule, TensorBoard's histograms and texts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from async_rl.config import Config
+from async_rl.learner.health import RunHealth
+from async_rl.run.metrics import batch_histograms, generations_table, version_mix
+from async_rl.coordinator.replay_buffer import Taken
+from async_rl.user_code import step_errors
+
+
+@dataclass
+class StepData:
+    metrics: dict[str, float]
+    samples: int
+    gen_tokens: float
+    waited: float  # seconds the learner waited for the batch
+    reward_errors: list[int]  # failed reward calls per reason (reward_guard.REASONS)
+    histograms: dict[str, Any]
+    texts: dict[str, str] | None
+
+
+def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float, prompt_format,
+                 health: RunHealth) -> StepData:
+    """The StepData of the batch `taken` by the learner at `learner_version` (before the
+    step); `health` is fed the batch, and warns when a run has nothing to learn from."""
+    groups = taken.groups
+    staleness = [learner_version - v for v in taken.versions]
+    lengths = np.concatenate([g.response_lengths for g in groups])
+    truncated = np.concatenate([g.truncated for g in groups])
+    gen_seconds = sum(g.gen_seconds for g in groups)
+    rewards = np.concatenate([g.rewards for g in groups])
+    reward_errors, reward_error_frac = step_errors(groups)
+    health.check(rewards, lengths, truncated, cfg.train.group_size)
+    metrics = {
+        "train/reward_mean": float(rewards.mean()), "train/response_len_mean": float(lengths.mean()),
+        "train/response_len_max": float(lengths.max()), "train/truncated_frac": float(truncated.mean()),
+        "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
+        # The step's staleness histogram, in samples.
+        **{f"staleness/count_{k}": staleness.count(k) * cfg.train.group_size for k in sorted(set(staleness))},
+        # What a capacity model needs: the actors' generation time per group, and
+        # their speed while generating.
+        "actors/gen_seconds_per_group": gen_seconds / len(groups),
+        "actors/gen_tokens_per_s": float(lengths.sum()) / max(gen_seconds, 1e-9),
+        **version_mix(groups, learner_version),  # in-flight updates: actors/mixed_version_frac, ...
+        "reward/error_frac": reward_error_frac}
+    if any(len(g.policy_mask) for g in groups):  # multi-turn episodes
+        turns = policy_turns(groups)
+        metrics.update({"env/turns_mean": float(turns.mean()), "env/turns_max": float(turns.max()),
+                        "env/multi_turn_frac": float((turns > 1).mean()),
+                        "env/policy_token_frac": float(np.concatenate([g.policy_mask for g in groups]).mean())})
+    texts = None
+    if cfg.metrics.text_every and (learner_version + 1) % cfg.metrics.text_every == 0:
+        texts = {"samples/generations": generations_table(groups, prompt_format)}
+    return StepData(metrics, samples=len(lengths), gen_tokens=float(lengths.sum()), waited=waited,
+                    reward_errors=reward_errors, histograms=batch_histograms(groups, staleness), texts=texts)
+
+
+def policy_turns(groups) -> np.ndarray:
+    """Policy turns of each response: the runs of policy tokens in its mask (a response
+    without a mask is one turn)."""
+    out = []
+    for g in groups:
+        for r in g.responses():
+            m = r.policy_mask
+            out.append(1 if m is None else int(m[:1].sum() + ((m[1:] == 1) & (m[:-1] == 0)).sum()))
+    return np.array(out)

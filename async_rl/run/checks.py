@@ -1,0 +1,128 @@
+"""What `async-rl train` checks before it starts anything, so that a bad engine, task,
+reward or environment is one line (ConfigError, exit 2) instead of a traceback in every
+spawned process: each is built as the processes will build it and tried on a sample."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+from async_rl.config import Config, ConfigError
+from async_rl.run.runtime import make_prompt_format, make_task_from_config, resolve_device
+
+log = logging.getLogger("async_rl.launch")
+
+
+def check_engine(cfg: Config, model: bool = False) -> None:
+    """vLLM actors: vLLM importable here, as each actor will import it, and (`model`) a
+    model and settings it can run; in one line (exit 2) before anything starts, instead
+    of in every actor. Nothing to check for the torch engine."""
+    if cfg.actors.engine != "vllm":
+        return
+    from async_rl.weight_transfer.vllm.api import VLLMUnavailable, require_vllm
+
+    try:
+        require_vllm()
+    except VLLMUnavailable as err:
+        raise ConfigError(str(err)) from None  # it names actors.engine
+    if model:
+        from transformers import AutoConfig
+
+        from async_rl.actor.engines.vllm_engine import VLLMConfigError, check_model
+
+        try:
+            check_model(AutoConfig.from_pretrained(cfg.model.path), resolve_device(cfg.model.device),
+                        cfg.actors.vllm.max_model_len)
+        except VLLMConfigError as err:
+            raise ConfigError(str(err)) from None
+
+
+def check_lora(cfg: Config) -> None:
+    """model.lora: peft importable and every target module a linear layer of the model."""
+    if not cfg.model.lora.rank:
+        return
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError("model.lora.rank: LoRA needs the peft package: pip install 'async-rl[lora]'")
+    from async_rl.lora import check_targets
+
+    problem = check_targets(cfg.model.path, cfg.model.lora.target_modules)
+    if problem:
+        raise ConfigError(problem)
+
+
+def task_of(cfg: Config):
+    """The run's task, or a ConfigError in one line."""
+    try:
+        return make_task_from_config(cfg)
+    except (ValueError, OSError) as err:
+        line = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(line if line.startswith("task.") else f"task: {line}") from None
+
+
+def check_task(cfg: Config) -> None:
+    """Build the task, its prompt format and its reward as every process will, and call
+    the reward on a sample, so that user code and data fail here in one line (exit 2)
+    instead of in every spawned process. A reward given as a file path is made absolute."""
+    spec = cfg.task.reward
+    # The spawned processes get the working directory on their path (_child_env); so
+    # does this check, also when run as the `async-rl` script (whose path starts at the
+    # script's own directory, not the working directory).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    if spec and ".py:" in spec and not Path(spec.rsplit(":", 1)[0]).is_absolute():
+        file, fn = spec.rsplit(":", 1)
+        cfg.task.reward = f"{Path(file).resolve()}:{fn}"
+    task = task_of(cfg)
+    try:
+        prompt_format = make_prompt_format(cfg)
+        samples = [task.train_prompt(0), *task.eval_prompts()[:1]]
+        for prompt in samples:
+            prompt_format.encode(prompt)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"task: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    if cfg.task.chat_template is False and prompt_format.tokenizer.chat_template:
+        log.warning("task.chat_template=false, but the tokenizer has a chat template: a chat model usually needs it")
+    for prompt in samples:
+        for response in (prompt.answer, ""):
+            try:
+                value = task.reward(prompt.text, response, prompt.answer)
+            except Exception as err:  # user code: any failure is a config error here
+                raise ConfigError(f"task.reward: {spec or 'the task reward'} raised {type(err).__name__}: "
+                                  f"{str(err).splitlines()[0] if str(err) else ''} on a sample (response "
+                                  f"{response!r:.40}, answer {prompt.answer!r:.40})") from None
+            try:
+                finite = not isinstance(value, (str, bytes)) and math.isfinite(float(value))
+            except (TypeError, ValueError):
+                finite = False
+            if not finite:
+                raise ConfigError(f"task.reward: {spec or 'the task reward'} returned {value!r:.40} on a sample; "
+                                  f"a reward must be a finite number")
+    if cfg.env.name:
+        check_environment(cfg, task, prompt_format)
+
+
+def check_environment(cfg: Config, task, prompt_format) -> None:
+    """env.name loads, makes an environment for a sample prompt, and the chat template
+    lets turns be appended: else one line (exit 2). A file path is made absolute."""
+    from async_rl.actor.rollout.turns import TurnFormat
+    from async_rl.actor.environments.registry import environment_factory
+
+    name = cfg.env.name
+    if ".py:" in name and not Path(name.rsplit(":", 1)[0]).is_absolute():
+        file, fn = name.rsplit(":", 1)
+        cfg.env.name = f"{Path(file).resolve()}:{fn}"
+    try:
+        factory = environment_factory(cfg.env.name, task, cfg.env.options, cfg.env.max_turns)
+        TurnFormat(prompt_format).text([{"role": "user", "content": "x"}])
+    except ValueError as err:
+        raise ConfigError(str(err).splitlines()[0] if str(err).startswith("env.name") else f"env.name: {err}") from None
+    try:
+        env = factory(task.train_prompt(0))
+    except Exception as err:  # user code: any failure is a config error here
+        raise ConfigError(f"env.name: {name} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+                          f"making the environment of a sample prompt") from None
+    if not callable(getattr(env, "step", None)):
+        raise ConfigError(f"env.name: {name} made {type(env).__name__}, which has no step(action) method")

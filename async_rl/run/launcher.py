@@ -1,0 +1,311 @@
+"""`async-rl train`: one machine, one process per role.
+
+Takes the run directory's lock (run_lock.py), spawns the learner world with torchrun
+and the actors, which start up while the learner does and join its hub once the
+coordinator publishes its endpoints, and restarts an actor that dies (at most
+actors.max_restarts times). Ctrl-C, SIGTERM and SIGHUP stop the run the same way: the
+learner ranks finish their step and write a checkpoint and final/, the actors are told
+goodbye, and whatever does not leave within a grace period is killed. Every child dies with the launcher (a parent-death
+signal), so a launcher killed outright leaves nothing running behind it.
+
+Exit status: the learner's (0, or runtime.EXIT_* for a run it stopped), 128 + the
+signal's number when interrupted (130 SIGINT, 143 SIGTERM, 129 SIGHUP), 2 for a config
+error, 1 when the learner failed.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+
+from async_rl.run.checkpoints import latest_intact_checkpoint
+from async_rl.config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
+from async_rl.run.lock import RunLock
+from async_rl.run.directory import RunDir
+from async_rl.run.checks import check_engine, check_lora, check_task, task_of
+from async_rl.run.runtime import LAUNCHER_ENV, child_of, resolve_device, write_status
+
+log = logging.getLogger("async_rl.launch")
+GRACE_S = 30.0
+HUB_START_S = 300.0
+# A resumed run must keep these: they define the prompt stream, the admission slots,
+# the shape of buffered groups and which models the checkpoint holds.
+RESUME_FIXED = ("seed", "model.path", "task", "train.batch_groups", "train.group_size", "train.advantage")
+
+
+def _lookup(cfg: Config, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def find_resume_checkpoint(cfg: Config, resume: str) -> Path:
+    """The checkpoint `--resume RUN` continues from; ConfigError when there is none or
+    when the config changed a key the checkpoint depends on."""
+    run_dir = Path(resume).resolve()
+    if cfg.run_dir is None:
+        cfg.run_dir = str(run_dir)
+    elif Path(cfg.run_dir).resolve() != run_dir:
+        raise ConfigError(f"run_dir: {cfg.run_dir} differs from --resume {resume}; a run resumes in its own directory")
+    # Verified, newest first: a damaged one is set aside with a warning (or, when none is
+    # intact, named in the refusal), never loaded.
+    checkpoint, damaged = latest_intact_checkpoint(run_dir, log.warning)
+    if checkpoint is None:
+        raise ConfigError(f"--resume: no {'intact' if damaged else 'complete'} checkpoint in "
+                          f"{run_dir / 'checkpoints'}" + (f" ({'; '.join(damaged)})" if damaged else ""))
+    saved = from_yaml((checkpoint / "config.yaml").read_text())
+    if cfg.model.path == "demo":
+        cfg.model.path = str(run_dir / "base_model")
+    for key in RESUME_FIXED:
+        if _lookup(cfg, key) != _lookup(saved, key):
+            raise ConfigError(f"{key}: {_lookup(cfg, key)} differs from the checkpoint's {_lookup(saved, key)}; "
+                              f"a resumed run must keep it")
+    return checkpoint
+
+
+def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
+    run_dir = resolve_run_dir(cfg).resolve()
+    if (run_dir / "metrics.jsonl").exists() and not resuming:
+        raise ConfigError(f"run_dir: {run_dir} already holds a run; choose another run_dir (or --resume it)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("endpoints.json", "status.json"):  # the launcher waits for a fresh endpoints.json
+        (run_dir / stale).unlink(missing_ok=True)
+    cfg.run_dir = str(run_dir)
+    check_engine(cfg)
+    if cfg.model.path == "demo":
+        cfg.model.path = str(ensure_demo_model(cfg, run_dir / "base_model"))
+    elif not (Path(cfg.model.path) / "config.json").exists():
+        raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json)")
+    check_engine(cfg, model=True)
+    check_lora(cfg)
+    check_task(cfg)
+    chosen = choose_learner_ranks(cfg)
+    if chosen:
+        log.info("%s", chosen)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    return run_dir
+
+
+def ensure_demo_model(cfg: Config, target: Path) -> Path:
+    """The demo model for cfg's seed and task, warm-started into `target` unless a
+    complete one is there (its INFO_FILE is written last)."""
+    from async_rl.models import build_demo_model
+    from async_rl.models.demo import INFO_FILE, VLLM_HEAD_DIM
+
+    if not (target / INFO_FILE).exists():
+        log.info("building the demo model (with supervised warm start) in %s", target)
+        build_demo_model(target, seed=cfg.seed, task=task_of(cfg),
+                         target_accuracy=cfg.model.warm_start_accuracy,
+                         **({"head_dim": VLLM_HEAD_DIM} if cfg.actors.engine == "vllm" else {}))
+    return target
+
+
+def choose_learner_ranks(cfg: Config) -> str | None:
+    """Resolve `learner.ranks: auto` in place: one rank per visible GPU on CUDA, one on
+    CPU (ranks on one machine share its memory, so sharding fits no larger model there,
+    and one rank's intra-op threads use the cores without collectives). Returns the
+    line that says what was chosen and why; None when the config names a number.
+    ConfigError when the choice does not divide the batch."""
+    if cfg.learner.ranks != "auto":
+        return None
+    try:
+        device = resolve_device(cfg.model.device)
+    except RuntimeError as err:
+        raise ConfigError(f"model.device: {err}") from None
+    if device.type == "cuda":
+        cfg.learner.ranks = torch.cuda.device_count()
+        why = f"one per visible GPU ({cfg.learner.ranks})"
+    else:
+        cfg.learner.ranks = 1
+        why = "CPU: one process trains without collectives; more ranks on one machine would fit no larger model"
+    try:
+        Config.model_validate(cfg.model_dump())
+    except ValidationError as err:
+        raise ConfigError(f"learner.ranks: auto chose {cfg.learner.ranks}, but "
+                          f"{err.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    return f"learner.ranks=auto: {cfg.learner.ranks} ({why}; set learner.ranks to choose)"
+
+
+def prepare(cfg: Config, resume: str | None = None) -> tuple[Path, Path | None, RunLock]:
+    """What every launch does before starting the learner world (`async-rl train`, and
+    `async-rl prepare` for launch/learner.sh): (run directory, checkpoint to resume or
+    None, the run directory's lock, held). The lock comes first: nothing is written to
+    (or set aside in) a directory another run is using."""
+    lock = RunLock(Path(resume) if resume else resolve_run_dir(cfg)).acquire()
+    try:
+        checkpoint = find_resume_checkpoint(cfg, resume) if resume else None
+        return prepare_run_dir(cfg, resuming=checkpoint is not None), checkpoint, lock
+    except BaseException:
+        lock.release(refused=True)
+        raise
+
+
+def _wait_for_hub(run_dir: Path, learner: subprocess.Popen, timeout_s: float, stopping=lambda: False) -> str:
+    def give_up() -> str | None:
+        if stopping():
+            return "interrupted while the learner was starting"
+        if learner.poll() is not None:
+            return f"the learner exited with status {learner.returncode} before starting its hub"
+        return None
+
+    return RunDir(run_dir).wait_for_hub(timeout_s, give_up)
+
+
+def _child_env(threads: int) -> dict[str, str]:
+    # The working directory goes on the children's path, so a reward module next to the
+    # config (`task.reward: my_rewards:score`) imports in the learner and actors as in prepare.
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", PYTHONPATH=path)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def _stop(procs: list[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)  # each child leads its own process group (torchrun's workers too)
+            except ProcessLookupError:
+                pass
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _say(text: str) -> None:
+    """One line on the console; a closed terminal (SIGHUP) must not stop the shutdown."""
+    try:
+        print(f"async-rl: {text}", file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
+def _learner_workers(torchrun: subprocess.Popen) -> list[int]:
+    from async_rl.run.runtime import process_tree
+
+    return process_tree(torchrun.pid)[1:]
+
+
+def _spawn_actor(cfg: Config, i: int, logs: Path, hub: str | None = None, run_dir: Path | None = None,
+                 hub_wait_s: float = 0.0) -> subprocess.Popen:
+    """Actor i, joining `hub`, or the hub `run_dir`'s learner is about to start: then it
+    imports and starts up while the learner does, and waits up to `hub_wait_s` for it."""
+    where = ["--hub", hub] if hub is not None else ["--run-dir", str(run_dir)]
+    wait_s = max(cfg.actors.connect_timeout_s, hub_wait_s)
+    out = open(logs / f"actor-{i}.log", "ab")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "async_rl.cli", "actor", *where, "--name", f"actor-{i}",
+             "--connect-timeout", str(wait_s), *(["--keys", cfg.security.keys_dir] if cfg.security.curve else [])],
+            env=_child_env(cfg.actors.threads), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=child_of(os.getpid()))
+    finally:
+        out.close()
+
+
+def train(cfg: Config, resume: str | None = None) -> int:
+    """`resume`: a run directory to continue from its latest intact checkpoint."""
+    run_dir, checkpoint, lock = prepare(cfg, resume)
+    _say(f"run directory {run_dir}" + (f", resuming from {checkpoint.name}" if checkpoint else ""))
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    # torchrun, with its failure report sent to logs/ (learner_world.py).
+    learner_cmd = [sys.executable, "-m", "async_rl.learner.world", str(run_dir), "--standalone",
+                   f"--nproc-per-node={cfg.learner.ranks}", "-m", "async_rl.learner",
+                   str(run_dir / "config.yaml"), *(["--resume", str(checkpoint)] if checkpoint else [])]
+    # torchrun holds the lock too (an inherited descriptor): it is released only once
+    # neither is alive. Its ranks take no lock of their own and leave the console
+    # line of a failure to this process (LAUNCHER_ENV).
+    learner = subprocess.Popen(learner_cmd, env=dict(_child_env(cfg.learner.threads), **{LAUNCHER_ENV: "1"}),
+                               start_new_session=True, pass_fds=(lock.fd,), preexec_fn=child_of(os.getpid()))
+    actors: list[subprocess.Popen] = []
+    restarts = 0
+    stop_signal = 0
+
+    def on_signal(signum, _frame):
+        nonlocal stop_signal
+        stop_signal = stop_signal or signum
+
+    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    try:
+        # Loading a large model comes before the hub: give start-up at least HUB_START_S.
+        # The actors start at once: their imports and set-up overlap the learner's.
+        hub_wait_s = max(cfg.learner.timeout_s, HUB_START_S)
+        actors = [_spawn_actor(cfg, i, logs, run_dir=run_dir, hub_wait_s=hub_wait_s) for i in range(cfg.actors.count)]
+        hub = _wait_for_hub(run_dir, learner, timeout_s=hub_wait_s, stopping=lambda: bool(stop_signal))
+        while learner.poll() is None and not stop_signal:
+            time.sleep(0.2)
+            for i, actor in enumerate(actors):
+                # Exit 0 is an actor the hub said goodbye to; anything else died.
+                if actor.poll() not in (None, 0) and learner.poll() is None and not stop_signal:
+                    if restarts >= cfg.actors.max_restarts:
+                        continue
+                    restarts += 1
+                    _say(f"actor-{i} exited with status {actor.returncode}; restarting it ({restarts} of "
+                         f"actors.max_restarts={cfg.actors.max_restarts}; its log: {logs / f'actor-{i}.log'})")
+                    actors[i] = _spawn_actor(cfg, i, logs, hub=hub)
+        if stop_signal:
+            # The ranks finish their step, write a checkpoint and final/, and the hub
+            # tells the actors goodbye; they are only killed if they do not leave.
+            # torchrun itself is left alone: its ranks exiting 0 end it without a report.
+            _say(f"stopping ({signal.Signals(stop_signal).name}): saving a checkpoint")
+            for pid in _learner_workers(learner):
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        _wait_all([learner], GRACE_S)
+        if learner.returncode == 0:  # the hub told the actors goodbye; a failed one cannot
+            _wait_all(actors, 10.0)
+    except RuntimeError as err:
+        _say(str(err))
+    finally:
+        _stop([learner, *actors], signal.SIGTERM)
+        _wait_all([learner, *actors], 5.0)
+        _stop([learner, *actors], signal.SIGKILL)
+        _wait_all([learner, *actors], 5.0)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        lock.release()
+    status = RunDir(run_dir).status()
+    if stop_signal:  # the learner ended cleanly on our SIGTERM; the run's status is the signal's
+        reason = status["reason"] if status else "stopped before the learner had started"
+        with contextlib.suppress(OSError):  # a full disk must not change what the launcher exits with
+            write_status(run_dir, 128 + stop_signal, f"{reason} ({signal.Signals(stop_signal).name})")
+    print_summary(run_dir)
+    if stop_signal:
+        return 128 + stop_signal
+    if learner.returncode == 0 and status and status["exit_code"]:
+        _say(status["reason"])
+        return int(status["exit_code"])
+    if learner.returncode != 0:
+        reason = status["reason"] if status and status["exit_code"] else f"exit status {learner.returncode}"
+        _say(f"the learner failed: {reason}; details in {logs}; continue from the last checkpoint with: "
+             f"async-rl train {run_dir / 'config.yaml'} --resume {run_dir}")
+        return 1
+    return 0
+
+
+def print_summary(run_dir: Path) -> None:
+    from async_rl.run.summary import summary_lines
+
+    for line in summary_lines(run_dir):
+        _say(line.removeprefix("async-rl: "))

@@ -1,0 +1,59 @@
+"""The one-screen summary `async-rl train` prints when a run ends, from metrics.jsonl
+alone (so it is also right for a resumed run, whose file holds every step once)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from async_rl.run.directory import RunDir, staleness_counts
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summary_lines(run_dir: Path) -> list[str]:
+    run = RunDir(run_dir)
+    steps, evals = run.steps_and_evals()
+    # Evaluation lines arrive when the actors finish a round, possibly after later steps.
+    evals = sorted(evals, key=lambda l: l["step"])
+    if not steps:
+        return []
+    last = steps[-1]
+    wall = max(last["time"], 1e-9)
+    counts = staleness_counts(steps)
+    total = sum(counts.values()) or 1
+    histogram = " ".join(f"{k}:{100 * n / total:.0f}%" for k, n in counts.items())
+    ess = [s["is/ess"] for s in steps if s.get("is/ess") is not None]
+    gen = [s["actors/gen_tokens_per_s"] for s in steps if s.get("actors/gen_tokens_per_s")]
+    rows = [
+        ("steps", f"{last['step']} in {wall:.0f} s ({last['step'] / wall:.2f} steps/s), {last['train/samples']} samples "
+                  f"({last['train/samples'] / wall:.0f}/s), {_mean([s['throughput/gen_tokens_per_s'] for s in steps]):.0f} "
+                  f"response tokens/s trained"
+                  + (f"; an actor generates {_mean(gen):.0f} tokens/s while generating" if gen else "")),
+        ("learner", f"idle {100 * _mean([s['learner/idle_frac'] for s in steps]):.1f}% waiting for data, "
+                    f"sync {_mean([s['sync/seconds'] for s in steps]) * 1e3:.1f} ms/step, "
+                    f"skipped steps {last.get('learner/skipped_steps', 0)}"),
+        ("staleness", f"mean {_mean([s['staleness/mean'] for s in steps]):.2f}, max "
+                      f"{max(s['staleness/max'] for s in steps)}, dropped {last['staleness/dropped']}"
+                      + (f"; samples by staleness {histogram}" if counts else "")),
+        ("off-policy", f"IS-weight ESS mean {_mean(ess):.3f}, min {min(ess):.3f}" if ess else "IS-weight ESS n/a"),
+        ("actors", f"{last['actors/live']} live at the end; {last['data/prompts_admitted']} prompts admitted, "
+                   f"{last['data/prompts_consumed']} consumed; {last['wire/rejected']} messages rejected"),
+    ]
+    if last.get("memory/learner_peak_rss_gb"):
+        rows.append(("memory", f"peak resident {last['memory/learner_peak_rss_gb']:.2f} GiB per learner rank (largest), "
+                               f"{max(s.get('memory/actor_peak_rss_gb', 0) for s in steps):.2f} GiB per actor"))
+    if last.get("data/prompts_skipped"):
+        rows.append(("skipped", f"{last['data/prompts_skipped']} prompts over the prompt limit (task.max_prompt_tokens)"))
+    if last.get("reward/errors"):
+        by_reason = ", ".join(f"{k.removeprefix('reward/errors_')} {v}" for k, v in last.items()
+                              if k.startswith("reward/errors_"))
+        rows.append(("reward", f"{last['reward/errors']} calls failed and scored reward.fallback ({by_reason})"))
+    if evals:
+        rows.append(("eval", f"accuracy {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "
+                             f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})"))
+    final = run.final_model()
+    model = f"model {final}" if final else "no final model (the learner did not get to write it)"
+    rows.append(("outputs", f"{model}; tensorboard --logdir {run.tensorboard_dir}"))
+    width = max(len(name) for name, _ in rows)
+    return [f"async-rl: {name:<{width}}  {text}" for name, text in rows]

@@ -1,0 +1,106 @@
+"""From a task's prompts to the model's input tokens, and from response tokens back to text.
+
+One place decides what the model sees, so that rollout, evaluation, the coordinator's
+prompt-length check and the logged samples can never disagree:
+
+- **Chat template** (`task.chat_template`): `auto` uses the tokenizer's template when it
+  has one. A chat model asked a plain, un-templated question usually answers with its
+  end-of-turn token at once: reward 0, gradient 0, and nothing says why. With the
+  template, `messages` rows are rendered as they are, `prompt` rows as one user turn
+  (after `task.system_prompt`, when set), always with the assistant's generation prompt.
+- **One BOS**: a rendered template already holds whatever special tokens the model
+  expects (Llama 3's templates write `{{ bos_token }}` themselves), so it is tokenized
+  with `add_special_tokens=False`; plain text gets the tokenizer's special tokens, minus
+  a doubled BOS when the text already starts with one.
+- **Stop tokens** (`stop_token_ids`): the union of the EOS ids of the model config,
+  `generation_config.json` and the tokenizer. Chat models often list their end-of-turn
+  token in only one of them (Qwen2.5 and Llama 3 put it in generation_config), and a
+  model that never stops spends every response at the length limit.
+- **Response text**: rewards get the decoded response without special tokens; logs keep
+  them and mark a response cut at the length limit, so the two cases look different.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from async_rl.tasks.base import Prompt
+
+CUT_MARK = " [cut at the length limit]"
+
+
+class PromptFormat:
+    """Encodes prompts for one tokenizer and one `task.chat_template` choice."""
+
+    def __init__(self, tokenizer: Any, chat_template: bool | Literal["auto"] = "auto",
+                 system_prompt: str | None = None) -> None:
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if chat_template is True and not has_template:
+            raise ValueError("task.chat_template: true, but the tokenizer has no chat template")
+        self.tokenizer = tokenizer
+        self.uses_chat = has_template if chat_template == "auto" else bool(chat_template)
+        self.system_prompt = system_prompt
+        self.bos_id = getattr(tokenizer, "bos_token_id", None)
+
+    def messages(self, prompt: Prompt) -> list[dict[str, str]]:
+        """The conversation the chat template renders for `prompt`."""
+        turns = prompt.conversation()
+        if self.system_prompt is not None and turns[0]["role"] != "system":
+            turns.insert(0, {"role": "system", "content": self.system_prompt})
+        return turns
+
+    def render(self, prompt: Prompt) -> str:
+        """The text the model is given, special tokens included."""
+        if self.uses_chat:
+            return self.tokenizer.apply_chat_template(self.messages(prompt), tokenize=False,
+                                                      add_generation_prompt=True)
+        if prompt.messages is not None:
+            raise ValueError(f"prompt {prompt.id} is a conversation (`messages`), but no chat template is used "
+                             "(task.chat_template)")
+        return prompt.text
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        text = self.render(prompt)
+        ids = list(self.tokenizer(text, add_special_tokens=not self.uses_chat)["input_ids"])
+        if self.bos_id is not None and ids[:2] == [self.bos_id, self.bos_id]:
+            ids = ids[1:]  # the text began with BOS and the tokenizer added another
+        return ids
+
+    def response_text(self, tokens: Sequence[int]) -> str:
+        """What a reward function scores: the response without special tokens."""
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def display(self, tokens: Sequence[int], truncated: bool) -> str:
+        """For logs and TensorBoard: special tokens kept, a cut response marked."""
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=False) + (CUT_MARK if truncated else "")
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def stop_token_ids(model_path: str | Path, tokenizer: Any = None, config: Any = None) -> list[int]:
+    """Every EOS id named by the model's config, its generation_config.json and the tokenizer."""
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(model_path))
+    ids = _ids(getattr(config, "eos_token_id", None))
+    generation = Path(model_path) / "generation_config.json"
+    if generation.exists():
+        ids += _ids(json.loads(generation.read_text()).get("eos_token_id"))
+    if tokenizer is not None:
+        ids += _ids(getattr(tokenizer, "eos_token_id", None))
+    return sorted(set(ids))
+
+
+def prompt_limit(max_prompt_tokens: int | None, config: Any, max_new_tokens: int) -> int | None:
+    """Longest prompt the run admits: `task.max_prompt_tokens`, else what leaves room for
+    a full response in the model's context (None when the config names no context)."""
+    if max_prompt_tokens is not None:
+        return max_prompt_tokens
+    context = getattr(config, "max_position_embeddings", None)
+    return None if context is None else max(1, int(context) - max_new_tokens)

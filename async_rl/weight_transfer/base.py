@@ -1,0 +1,108 @@
+"""The interface every weight transport implements, at both ends.
+
+A transport is one way a sync's buckets travel from learner rank 0 to members: down a
+pipelined chain on gloo (gloo_chain.py), one NCCL broadcast per bucket (nccl.py), a
+device-to-device copy out of the learner's own buckets (cuda_ipc.py), vLLM's
+weight-transfer group (vllm.py). Each of those modules holds both ends and names them
+in a `WeightTransport`; the broadcaster and the receivers pick one by name
+(transports.py) and talk to it only through `SenderEnd` and `ReceiverEnd`:
+
+    rank 0: SenderEnd                          a member: ReceiverEnd
+                                               arrival()   how it will receive
+    prepare(epoch, arrivals) -> Group          (handshake.py: rank 0 decides "go")
+    connect()                                  join(epoch, rank, group)
+    send(bucket_set)           every version   receive()
+    disconnect()               on failure      leave()
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
+
+import torch
+import torch.distributed as dist
+
+from async_rl.weight_transfer.plan import Bucket
+from async_rl.weight_transfer.records import Arrival, Group
+
+if TYPE_CHECKING:
+    from async_rl.weight_transfer.bucket_sets import BucketSet
+
+
+@dataclass(frozen=True)
+class SenderSide:
+    """What rank 0's ends share: its store and device, and the bucket sets they send."""
+    store: dist.Store
+    host: str  # the store's host, where rank 0 also listens for transports with their own rendezvous
+    device: torch.device
+    timeout_s: float
+    side_stream: Any  # torch.cuda.Stream the sends run on (CUDA), else None
+    bucket_sets: list[BucketSet]
+    layout: str | None = None  # fingerprint of the buckets' wire layout, where members must announce theirs
+
+
+@dataclass(frozen=True)
+class ReceiverSide:
+    """What a member's end needs to reach rank 0."""
+    store: dist.Store
+    store_host: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class MemberBuckets:
+    """Where a torch receiver's syncs land: the live buckets its parameters view, and a
+    second set to receive into first (None: `sync.stage_on_actors=false`)."""
+    plan: list[Bucket]
+    live: list[torch.Tensor]
+    staging: list[torch.Tensor] | None
+    device: torch.device
+
+
+class SenderEnd(Protocol):
+    """Rank 0's end of one transport; it lives as long as the broadcaster and serves
+    one membership epoch at a time."""
+
+    group: Any  # the epoch's communication group; None before `connect` and where there is none
+
+    def prepare(self, epoch: int, arrivals: dict[int, Arrival]) -> Group:
+        """Before "go": check the members' arrivals (EpochRejected) and set up what they
+        need to join; returns their `Group` for the decision."""
+        ...
+
+    def connect(self) -> None:
+        """After "go": form the epoch's group with the members."""
+        ...
+
+    def send(self, source: BucketSet) -> None:
+        """Deliver one version; each bucket once `source.wait_ready(i)` returns."""
+        ...
+
+    def disconnect(self) -> None:
+        """Drop the epoch's group: closing its connections releases members still waiting."""
+        ...
+
+
+class ReceiverEnd(Protocol):
+    """A member's end of one transport, for one connection to rank 0's store."""
+
+    group: Any
+    staged: bool  # `receive` writes the staging buckets, which the caller then copies into the live ones
+
+    def arrival(self) -> Arrival:
+        ...
+
+    def join(self, epoch: int, rank: int, group: Group) -> None:
+        ...
+
+    def receive(self) -> None:
+        ...
+
+    def leave(self) -> None:
+        ...
+
+
+class WeightTransport(NamedTuple):
+    name: str
+    sender: Callable[[SenderSide], SenderEnd]
+    receiver: Callable[[ReceiverSide, Any], ReceiverEnd]  # (side, where the sync lands)

@@ -1,0 +1,201 @@
+"""Learner rank 0's side of the weight sync: the store, and the thread that broadcasts.
+
+Rank 0 never waits for actors: `publish` copies the gathered weights into a free bucket
+set and returns (bucket_sets.py); a background thread takes up the newest set and
+sends it to the members of the current epoch, forming the epoch's groups first when
+the membership changed (epochs.py), through the transports this learner serves
+(transports.py): gloo or NCCL, plus CUDA IPC for actors on the learner's own GPU; or,
+with `engine="vllm"` (the run's actors.engine), vLLM's own weight transfer, for which
+the buckets are planned in vLLM's packed wire layout (uint8 chunks, plan.plan_packed).
+
+A sync that fails (a member died or never came) is counted and logged; the thread
+drops the epoch's groups, which releases the members still waiting, and sends the
+same version again in a new epoch. One that is abandoned (the membership changed
+before the groups formed) is sent again to the new membership.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import threading
+import time
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from async_rl.weight_transfer.abandon import mark_abandoned, run_abandonable
+from async_rl.weight_transfer.base import SenderSide
+from async_rl.weight_transfer.bucket_sets import BucketSets
+from async_rl.weight_transfer.epochs import Epoch, SyncJob, form_epoch
+from async_rl.weight_transfer.errors import SyncAbandoned, describe
+from async_rl.weight_transfer.plan import Spec, layout_id, plan_buckets, plan_packed, sync_bucket_bytes
+from async_rl.weight_transfer.records import LEARNER_KEY, encode
+from async_rl.weight_transfer.transports import check_transport, learner_info, served, transport_named
+
+log = logging.getLogger("async_rl.sync")
+
+
+def store_bound_to(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A TCPStore server listening on `host` alone. Given a host, torch's TCPStore still
+    listens on every address of the machine, so the socket is bound here and handed
+    over (`master_listen_fd`); "0.0.0.0" still means every address, when asked for."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(512)
+        bound = sock.getsockname()[1]
+        return dist.TCPStore(host, bound, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    finally:
+        sock.close()  # a no-op once detached; closes the socket if binding failed
+
+
+class WeightBroadcaster:
+    def __init__(self, specs: list[Spec], *, bucket_mb: float, host: str, backend: str, device: torch.device,
+                 timeout_s: float, transport: str = "auto", port: int = 0, engine: str = "torch",
+                 double_buffer: bool = True):
+        check_transport(transport, device)
+        if device.type == "cuda" and device.index is None:  # the thread's set_device needs the index
+            device = torch.device("cuda", torch.cuda.current_device())
+        if engine not in ("torch", "vllm"):
+            raise ValueError(f"engine: expected 'torch' or 'vllm', got {engine!r}")
+        self.engine = engine
+        bucket_bytes = int(bucket_mb * 2**20)
+        self.plan = (plan_packed(specs, bucket_bytes) if engine == "vllm"  # vLLM's own chunk size
+                     else plan_buckets(specs, sync_bucket_bytes(specs, bucket_mb)))
+        self.backend = "gloo" if transport == "gloo" else backend
+        self.device, self.timeout_s = device, timeout_s
+        self.store = store_bound_to(host, port, timeout_s)
+        self.host, self.port = host, self.store.port
+        self.store.set(LEARNER_KEY, encode(learner_info(transport, self.backend, device)))
+        # gloo sends from host memory (its point-to-point ops take host pointers only), so
+        # a GPU learner on gloo copies straight to the host in publish.
+        bucket_device = torch.device("cpu") if self.backend == "gloo" and engine == "torch" else device
+        # Two sets cost a second full copy of the weights on rank 0; one set makes publish
+        # wait while a broadcast is under way (its members' arrival included).
+        self.buffers = BucketSets(self.plan, bucket_device, count=2 if double_buffer else 1, timeout_s=timeout_s,
+                                  wire_dtype={n: d for n, _, d in specs} if engine == "vllm" else None)
+        side = SenderSide(self.store, host, device, timeout_s,
+                          side_stream=torch.cuda.Stream(device) if device.type == "cuda" else None,
+                          bucket_sets=self.buffers.sets,
+                          layout=layout_id(specs, bucket_bytes) if engine == "vllm" else None)
+        self._senders = {name: transport_named(name).sender(side)
+                         for name in served(engine, self.backend, bucket_device)}
+        self.group = None  # the current epoch's group, for analysis/bench_sync.py's reference broadcasts
+        self._members: tuple[int, ...] = ()
+        self._epoch = 0  # the membership epoch the next broadcast goes to
+        self._job: SyncJob | None = None
+        self.completed = 0
+        self.failures = 0
+        self.last_broadcast_s = 0.0
+        self.crashed: BaseException | None = None  # what ended the broadcast thread, if not close()
+        self._left_behind: list[threading.Thread] = []  # sends of abandoned epochs, waiting out gloo's timeout
+        self._thread = threading.Thread(target=self._run_guarded, name="weight-broadcast", daemon=True)
+        self._thread.start()
+
+    # -- called by the learner's main thread ------------------------------------
+    def publish(self, version: int, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Copy full (gathered) tensors into the free bucket set; returns without waiting
+        for actors. The broadcast of a bucket may start as soon as it is complete.
+        Raises if the broadcast thread has died: no actor would ever get these weights."""
+        if self.crashed is not None:
+            raise RuntimeError(f"the weight-broadcast thread died: {describe(self.crashed)}") from self.crashed
+        self.buffers.fill(version, named_tensors)
+
+    # -- called by the coordinator ----------------------------------------------
+    def set_members(self, actor_ids: Iterable[int]) -> None:
+        members = tuple(sorted(actor_ids))
+        with self.buffers.cond:
+            if members != self._members:
+                self._members, self._epoch = members, self._epoch + 1
+                self.buffers.cond.notify_all()
+
+    def job(self) -> SyncJob | None:
+        return self._job
+
+    @property
+    def sent_version(self) -> int | None:
+        return self.buffers.sent
+
+    def close(self, wait_s: float | None = None) -> None:
+        """Stop the broadcast thread; wait at most `wait_s` (default: one sync timeout)
+        for a broadcast in flight."""
+        self.buffers.close()
+        self._thread.join(timeout=self.timeout_s + 5 if wait_s is None else wait_s)
+
+    # -- the broadcast thread ---------------------------------------------------
+    def _run_guarded(self) -> None:
+        try:
+            self._run()
+        except BaseException as err:  # a bug, not a failed sync (those are caught per sync in _run)
+            self.crashed = err
+            log.exception("the weight-broadcast thread died")
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        buffers, epoch = self.buffers, Epoch()
+        while True:
+            with buffers.cond:
+                while not buffers.closed and not self._work_ready(epoch.number):
+                    buffers.cond.wait(timeout=0.5)
+                if buffers.closed:
+                    epoch.close()
+                    return
+                buffers.take_newest()
+                job = SyncJob(self._epoch, buffers.sent, self._members)  # type: ignore[arg-type]
+                self._job, buffers.reading = job, True
+                source = buffers.current
+            started = time.monotonic()
+            try:
+                if epoch.number != job.epoch:
+                    epoch.close()
+                    epoch, self.group = Epoch(), None
+                    epoch = form_epoch(self.store, job, self._senders, engine=self.engine, timeout_s=self.timeout_s,
+                                       give_up=lambda: self._give_up(job))
+                    self.group = epoch.group
+                try:
+                    # In a thread of its own: a member the coordinator dropped (its link cut,
+                    # the process stopped) must not hold the others up until the timeout.
+                    run_abandonable(lambda: self._send(epoch, source), lambda: self._give_up(job), "weight-send",
+                                    self._left_behind)
+                except SyncAbandoned as err:
+                    mark_abandoned(self.store, job.epoch, str(err))  # releases the members still waiting
+                    raise
+                self.completed += 1
+                self.last_broadcast_s = time.monotonic() - started
+            except SyncAbandoned as err:  # the loop picks the new membership up
+                log.info("weight broadcast of version %s (epoch %s) abandoned: %s", job.version, job.epoch, err)
+            except Exception as err:  # a member died or never came: rebuild next time
+                self.failures += 1
+                log.warning("weight broadcast of version %s (epoch %s) failed: %s", job.version, job.epoch,
+                            describe(err))
+                epoch.close()
+                epoch, self.group = Epoch(), None
+                with buffers.cond:
+                    self._epoch += 1  # a fresh store prefix for the retry
+            finally:
+                with buffers.cond:
+                    self._job, buffers.reading = None, False
+                    buffers.cond.notify_all()
+
+    def _send(self, epoch: Epoch, source) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread, and this one is new
+        epoch.send(source)
+
+    def _give_up(self, job: SyncJob) -> str | None:
+        if self.buffers.closed:
+            return "stopping"
+        return "the membership changed" if self._epoch != job.epoch else None
+
+    def _work_ready(self, epoch_formed: int) -> bool:
+        if not self._members:
+            return False
+        new_members = epoch_formed != self._epoch and self.buffers.sent is not None
+        return self.buffers.has_new() or new_members

@@ -1,0 +1,51 @@
+"""Wire protocol: typed msgspec messages, msgpack headers + raw array frames over zmq."""
+
+from async_rl.wire.messages import (
+    MESSAGE_TYPES,
+    EvalGrant,
+    EvalResult,
+    ExperienceGroup,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Message,
+    Response,
+    SyncDone,
+    SyncOrder,
+    TraceSpans,
+    Wait,
+    Welcome,
+    WorkGrant,
+    WorkRequest,
+)
+from async_rl.wire.rejects import RejectCounter, WireError
+from async_rl.wire.codec import SCHEMA, WireLimits, claimed_group, decode, encode, read_frames, recv, send
+
+__all__ = [
+    "MESSAGE_TYPES",
+    "SCHEMA",
+    "EvalGrant",
+    "EvalResult",
+    "ExperienceGroup",
+    "Goodbye",
+    "Heartbeat",
+    "Hello",
+    "Message",
+    "RejectCounter",
+    "Response",
+    "SyncDone",
+    "SyncOrder",
+    "TraceSpans",
+    "Wait",
+    "Welcome",
+    "WireError",
+    "WireLimits",
+    "claimed_group",
+    "read_frames",
+    "WorkGrant",
+    "WorkRequest",
+    "decode",
+    "encode",
+    "recv",
+    "send",
+]

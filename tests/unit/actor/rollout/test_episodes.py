@@ -1,0 +1,108 @@
+"""envs/rollout.py on the real torch engine and a tiny chat model: many episodes in
+flight, each turn batched over the episodes ready for it, a slow environment never
+holding the engine, and one that hangs failing its episode alone."""
+import threading
+import time
+
+import pytest
+import torch
+import transformers
+
+from async_rl.actor.engines.torch_engine import TorchEngine
+from async_rl.actor.environments.guard import EnvironmentGuard
+from async_rl.actor.environments import Turn
+from async_rl.actor.rollout.turns import TurnFormat
+from async_rl.actor.rollout.episodes import EpisodeLimits, Sampling, run_episodes
+from async_rl.tasks.prompt_format import PromptFormat
+from async_rl.tasks.base import Prompt
+
+
+class Counting:
+    """Answers every turn with its number; done after `turns` turns, rewarding each.
+    Prompt "slow" sleeps `sleep_s` in its first turn, or, given `gate`, waits there until
+    the gate opens (at most 4 s) and records whether it did."""
+
+    def __init__(self, prompt, turns=2, sleep_s=0.0, gate=None):
+        self.prompt, self.turns, self.sleep_s, self.gate, self.seen = prompt, turns, sleep_s, gate, 0
+
+    def step(self, action):
+        self.seen += 1
+        if self.prompt.text == "slow" and self.seen == 1:
+            if self.gate is not None:
+                self.gate["released"].append(self.gate["open"].wait(timeout=4.0))
+            else:
+                time.sleep(self.sleep_s)
+        done = self.seen == self.turns
+        if done and self.gate is not None and self.prompt.text == "fast":
+            self.gate["fast_done"].append(True)
+            if len(self.gate["fast_done"]) == 2:  # both fast episodes have ended
+                self.gate["open"].set()
+        return Turn([{"role": "user", "content": f"turn {self.seen}"}], reward=1.0, done=done)
+
+
+class SpyEngine(TorchEngine):
+    def _generate(self, prompts, *args):
+        self.calls.append((time.monotonic(), len(prompts)))
+        return super()._generate(prompts, *args)
+
+
+@pytest.fixture(scope="module")
+def setup(chat_model):
+    tok = transformers.AutoTokenizer.from_pretrained(chat_model)
+    engine = SpyEngine(str(chat_model), eos_token_id=None)
+    pf = PromptFormat(tok)
+    return engine, pf, TurnFormat(pf)
+
+
+def _run(setup, factory, prompts, limits, fallback=0.0):
+    engine, pf, turns = setup
+    engine.calls = []
+    return run_episodes(engine, pf, turns, EnvironmentGuard(factory, fallback=fallback), prompts, 2, limits,
+                        Sampling(temperature=1.0), torch.Generator().manual_seed(0))
+
+
+def test_episodes_take_their_turns_in_one_batch_and_a_turn_cut_at_its_limit_ends_the_episode(setup):
+    engine = setup[0]
+    saved = engine.eos_token_ids, engine._eos
+    engine.eos_token_ids, engine._eos = [], torch.zeros(0, dtype=torch.long)  # no turn ends by itself
+    try:
+        prompts = [Prompt(id=i, text=f"q{i}", answer="") for i in range(3)]
+        groups = _run(setup, lambda p: Counting(p, turns=1), prompts, EpisodeLimits(3, 64, 4, 5.0))
+    finally:
+        engine.eos_token_ids, engine._eos = saved
+    assert engine.calls == [(engine.calls[0][0], 6)]  # every episode's turn in one batch, and no other turn
+    assert all(ep.done and ep.turns == 1 and ep.truncated and len(ep.tokens) == 4 for g in groups for ep in g)
+
+
+def test_a_slow_environment_does_not_hold_the_others_and_a_hung_one_fails_alone(setup):
+    """Episodes whose turns end by a stop token: the engine's stop ids are the tokens it
+    samples here (every token id), so each turn is one token and reaches its environment.
+    A hung environment (or factory) fails its episodes at env.timeout_s, the others end whole."""
+    engine, pf, turns = setup
+    saved = engine.eos_token_ids, engine._eos
+    engine.eos_token_ids, engine._eos = list(range(len(pf.tokenizer))), torch.arange(len(pf.tokenizer))
+    try:
+        prompts = [Prompt(id=0, text="slow", answer=""), Prompt(id=1, text="fast", answer="")]
+        # The slow episodes' first answer waits until both fast episodes have ended: the
+        # engine must take the fast ones' later turns meanwhile, or the gate never opens.
+        gate = {"open": threading.Event(), "released": [], "fast_done": []}
+        groups = _run(setup, lambda p: Counting(p, turns=3, gate=gate), prompts, EpisodeLimits(5, 200, 4, 5.0))
+        assert gate["released"] == [True, True]
+        assert all(ep.done and not ep.truncated and ep.turns == 3 and ep.reward == 3.0 for g in groups for ep in g)
+        assert [ep.response().policy_mask.sum() for ep in groups[1]] == [3, 3]
+
+        hung = _run(setup, lambda p: Counting(p, turns=3, sleep_s=3.0), prompts, EpisodeLimits(5, 200, 4, 0.3),
+                    fallback=-1.0)
+        assert all(ep.failure == "timeout" and ep.reward == -1.0 for ep in hung[0])
+        assert all(ep.failure is None and ep.reward == 3.0 for ep in hung[1])
+
+        def slow_to_start(p):
+            if p.text == "slow":
+                time.sleep(3.0)
+            return Counting(p, turns=3)
+
+        started = _run(setup, slow_to_start, prompts, EpisodeLimits(5, 200, 4, 0.3), fallback=-1.0)
+        assert all(ep.failure == "timeout" and ep.turns == 0 and len(ep.response().tokens) == 0 for ep in started[0])
+        assert all(ep.failure is None and ep.reward == 3.0 for ep in started[1])
+    finally:
+        engine.eos_token_ids, engine._eos = saved

@@ -1,0 +1,43 @@
+"""The run-saving warnings: said once, after the streak, with the likely cause."""
+import logging
+
+import numpy as np
+
+from async_rl.learner.health import RunHealth
+
+
+def batch(rewards, lengths, truncated=None):
+    rewards = np.asarray(rewards, np.float32)
+    return (rewards, np.asarray(lengths), np.zeros(len(rewards), np.uint8) if truncated is None
+            else np.asarray(truncated, np.uint8))
+
+
+def test_one_token_responses_warn_once_after_the_streak(caplog):
+    health = RunHealth(steps=3, uses_chat_template=False, max_new_tokens=8)
+    one_token = batch([1, 0, 0, 1], [1, 1, 1, 4])  # 3 of 4 one token long, rewards vary
+    with caplog.at_level(logging.WARNING, logger="async_rl.learner.health"):
+        assert health.check(*one_token, group_size=2) == []
+        assert health.check(*one_token, group_size=2) == []
+        (msg,) = health.check(*one_token, group_size=2)
+        assert health.check(*one_token, group_size=2) == []  # once
+    assert "one token long" in msg and "chat template" in msg and "\n" not in msg
+    assert [r.getMessage() for r in caplog.records] == [msg]
+
+
+def test_a_streak_must_be_unbroken():
+    health = RunHealth(steps=2, uses_chat_template=True, max_new_tokens=8)
+    flat, varied = batch([0, 0, 0, 0], [5] * 4), batch([0, 1, 0, 0], [5] * 4)
+    for b in (flat, varied, flat, varied, flat):
+        assert health.check(*b, group_size=2) == []
+    (msg,) = health.check(*flat, group_size=2)
+    assert "same reward" in msg and "no response ever scores" in msg and "cut at" not in msg
+
+
+def test_zero_variance_names_truncation_or_a_constant_reward():
+    health = RunHealth(steps=1, uses_chat_template=True, max_new_tokens=16)
+    (msg,) = health.check(*batch([0] * 4, [16] * 4, [1, 1, 1, 0]), group_size=2)
+    assert "75% of responses are cut at actors.max_new_tokens=16" in msg
+    health = RunHealth(steps=1, uses_chat_template=True, max_new_tokens=16)
+    (msg,) = health.check(*batch([1, 1, 0, 0], [3] * 4), group_size=2)  # equal within each group
+    assert "every sample scores 0.5" in msg
+
