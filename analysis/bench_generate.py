@@ -52,12 +52,14 @@ def run_variant(args) -> dict:
     from async_rl.config import load_config
     from async_rl.actor.engines import make_engine
     from async_rl.tasks.prompt_format import stop_token_ids
-    from async_rl.run.runtime import make_prompt_format, make_task_from_config, peak_rss_mb
+    from async_rl.tasks.prompt_format import prompt_format_for
+    from async_rl.tasks import task_from_config
+    from async_rl.run.processes import peak_rss_mb
 
     engine_name, dtype, *extra = args.worker.split(":")
     cfg = load_config(args.config, args.set)
-    prompt_format = make_prompt_format(cfg)
-    task = make_task_from_config(cfg)
+    prompt_format = prompt_format_for(cfg.model.path, cfg.task)
+    task = task_from_config(cfg.task, cfg.seed)
     prompts = [prompt_format.encode(task.train_prompt(i)) for i in range(args.prompts)]
     options = dict(eos_token_id=stop_token_ids(cfg.model.path, prompt_format.tokenizer))
     if engine_name == "vllm":

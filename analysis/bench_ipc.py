@@ -39,7 +39,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from async_rl.weight_transfer import WeightBroadcaster, WeightReceiver  # noqa: E402
+from async_rl.weight_transfer.broadcaster import WeightBroadcaster  # noqa: E402
+from async_rl.weight_transfer.receiver import WeightReceiver
 from bench_learner import QWEN25_05B, TINY  # noqa: E402  (the learner benchmark's shapes)
 
 

@@ -78,7 +78,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from async_rl.learner.batching import assign_to_ranks, build_batch  # noqa: E402
-from async_rl.run.runtime import peak_rss_mb  # noqa: E402
+from async_rl.run.processes import peak_rss_mb  # noqa: E402
 from async_rl.wire import ExperienceGroup, Response  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,

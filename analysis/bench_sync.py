@@ -76,7 +76,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from async_rl.weight_transfer import WeightBroadcaster, WeightReceiver, broadcast  # noqa: E402
+from async_rl.weight_transfer.broadcaster import WeightBroadcaster  # noqa: E402
+from async_rl.weight_transfer.receiver import WeightReceiver
+from async_rl.weight_transfer.collective import broadcast
 from async_rl.weight_transfer.gloo_chain import chained, receive_chain, send_chain  # noqa: E402
 
 MODES = ("flat", "bucketed", "nocopy")

@@ -36,7 +36,9 @@ def main(argv=None) -> int:
     from async_rl.actor.engines import make_engine
     from async_rl.coordinator.eval_rounds import score_prompts, summarize
     from async_rl.tasks.prompt_format import stop_token_ids
-    from async_rl.run.runtime import make_prompt_format, make_task_from_config, quiet_libraries
+    from async_rl.tasks.prompt_format import prompt_format_for
+    from async_rl.tasks import task_from_config
+    from async_rl.models.loading import quiet_libraries
     from async_rl.user_code import REASONS, RewardGuard
 
     try:
@@ -46,12 +48,12 @@ def main(argv=None) -> int:
         return 2
     quiet_libraries()
     torch.set_num_threads(args.threads)
-    prompt_format = make_prompt_format(cfg)
+    prompt_format = prompt_format_for(cfg.model.path, cfg.task)
     stops = dict(eos_token_id=stop_token_ids(args.model, prompt_format.tokenizer))
     if cfg.actors.stop:
         stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
     engine = make_engine("torch", model_or_path=args.model, device=torch.device("cpu"), **stops)
-    task = make_task_from_config(cfg)
+    task = task_from_config(cfg.task, cfg.seed)
     guard = RewardGuard.for_task(task, cfg)
     e = cfg.eval
     prompts = task.eval_prompts()[:e.size]

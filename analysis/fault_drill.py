@@ -264,7 +264,7 @@ def drill_stall_actor(args) -> dict:
 
 # -- kill-job --------------------------------------------------------------------------
 def drill_kill_job(args) -> dict:
-    from async_rl.run.runtime import process_tree
+    from async_rl.run.processes import process_tree
 
     every = args.checkpoint_every
     proc, run = start_run(args, "kill-job", f"checkpoint.every={every}")

@@ -279,7 +279,7 @@ def main(argv=None) -> int:
         print(json.dumps(measure_ceilings(args.dry_run)))
         return 0
     if args.untrained_demo:
-        from async_rl.models import build_demo_model
+        from async_rl.models.demo import build_demo_model
 
         build_demo_model(args.untrained_demo, seed=0, target_accuracy=0.0, min_mixed_fraction=0.0)
         return 0

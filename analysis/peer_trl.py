@@ -35,7 +35,7 @@ from async_rl.run.directory import RunDir  # noqa: E402
 def trl_settings(cfg, output_dir: Path) -> dict:
     """GRPOConfig arguments equal to the async-rl run config's settings."""
     t = cfg.train
-    if (t.loss != "ppo" or t.advantage not in ("grpo", "drgrpo") or t.minibatches != 1 or t.entropy_coef
+    if (t.loss.name != "ppo" or t.advantage.name not in ("grpo", "drgrpo") or t.minibatches != 1 or t.entropy_coef
             or t.overlong.penalty_tokens or (t.kl.coef and (t.kl.estimator, t.kl.mode) != ("k3", "loss"))):
         raise SystemExit("bench_peer: TRL's GRPO is matched for train.loss=ppo, advantage grpo|drgrpo, "
                          "minibatches 1, no entropy bonus or overlong penalty, KL k3 in the loss only")
@@ -46,14 +46,15 @@ def trl_settings(cfg, output_dir: Path) -> dict:
     loss_types = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
     if t.agg not in loss_types:
         raise SystemExit(f"bench_peer: train.agg={t.agg} has no TRL loss_type")
-    if t.lr_schedule == "cosine":  # ours: min_ratio + (1 - min_ratio) * cosine, as HF's cosine_with_min_lr
-        schedule = {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": t.lr_min_ratio}}
-    elif t.lr_schedule == "linear" and t.lr_min_ratio == 0.0:
+    lr = t.lr_schedule
+    if lr.name == "cosine":  # ours: min_ratio + (1 - min_ratio) * cosine, as HF's cosine_with_min_lr
+        schedule = {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": lr.min_ratio}}
+    elif lr.name == "linear" and lr.min_ratio == 0.0:
         schedule = {"lr_scheduler_type": "linear"}
-    elif t.lr_schedule == "constant":
-        schedule = {"lr_scheduler_type": "constant_with_warmup" if t.warmup_steps else "constant"}
+    elif lr.name == "constant":
+        schedule = {"lr_scheduler_type": "constant_with_warmup" if lr.warmup_steps else "constant"}
     else:
-        raise SystemExit("bench_peer: train.lr_schedule=linear decays to 0 in TRL; set train.lr_min_ratio=0")
+        raise SystemExit("bench_peer: train.lr_schedule=linear decays to 0 in TRL; set train.lr_schedule.min_ratio=0")
     samples = t.batch_groups * t.group_size
     return dict(
         output_dir=str(output_dir), seed=cfg.seed, max_steps=t.max_steps, **schedule,
@@ -61,11 +62,11 @@ def trl_settings(cfg, output_dir: Path) -> dict:
         num_iterations=1, shuffle_dataset=False,  # prompts in index order, as async-rl's coordinator grants them
         max_completion_length=cfg.actors.max_new_tokens, temperature=cfg.actors.temperature,
         top_p=cfg.actors.top_p, top_k=0,
-        learning_rate=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, optim="adamw_torch",
+        learning_rate=t.lr, warmup_steps=lr.warmup_steps, weight_decay=t.weight_decay, optim="adamw_torch",
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=t.grad_clip,  # torch AdamW defaults, ours
-        beta=t.kl.coef, epsilon=t.ppo.eps_low, epsilon_high=t.ppo.eps_high, loss_type=loss_types[t.agg],
+        beta=t.kl.coef, epsilon=t.loss.eps_low, epsilon_high=t.loss.eps_high, loss_type=loss_types[t.agg],
         # "group": (r - mean) / (std + 1e-4) per prompt group, unbiased std, as group_advantages' grpo.
-        scale_rewards="group" if t.advantage == "grpo" else "none",
+        scale_rewards="group" if t.advantage.name == "grpo" else "none",
         mask_truncated_completions=cfg.train.overlong.filter,
         bf16=False, gradient_checkpointing=False,  # TRL defaults both to True; async-rl: fp32, no checkpointing
         use_cpu=cfg.model.device == "cpu", report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
@@ -95,11 +96,12 @@ def run(args) -> int:
     from async_rl.actor.engines.torch_engine import TorchEngine
     from async_rl.coordinator.eval_rounds import score_prompts, summarize
     from async_rl.tasks.prompt_format import stop_token_ids
-    from async_rl.run.runtime import make_prompt_format, make_task_from_config
+    from async_rl.tasks.prompt_format import prompt_format_for
+    from async_rl.tasks import task_from_config
 
     run_dir = args.out
     cfg = load_run_config(args.config, args.seed, args.set, args.max_steps, args.eval_every, args.model)
-    task, prompt_format = make_task_from_config(cfg), make_prompt_format(cfg)
+    task, prompt_format = task_from_config(cfg.task, cfg.seed), prompt_format_for(cfg.model.path, cfg.task)
     prompts = [task.train_prompt(i) for i in range(cfg.train.max_steps * cfg.train.batch_groups)]
     rows = [prompt_format.messages(p) if prompt_format.uses_chat else p.text for p in prompts]
     dataset = Dataset.from_dict({"prompt": rows, "text": [p.text for p in prompts],

@@ -41,7 +41,7 @@ CONFIG = ROOT / "configs/demo.yaml"
 def _pin_tree(root_pid: int, learner_core: int, actor_core: int, stop: threading.Event) -> None:
     """Keep every thread of the actor on its core and everything else of the run on the
     learner's, including threads started later (gloo, ZeroMQ, torch)."""
-    from async_rl.run.runtime import process_tree
+    from async_rl.run.processes import process_tree
 
     while not stop.is_set():
         for pid in process_tree(root_pid):

@@ -6,8 +6,8 @@
 Runs `async-rl train configs/demo.yaml` once per (loss, max_staleness), one after
 another as real subprocesses, all from the same warm-started base model and seed:
 
-    decoupled   train.loss=ppo train.ppo.decoupled=true   (proximal policy + capped IS weight)
-    naive       train.loss=ppo train.ppo.decoupled=false  (PPO ratio against the behavior policy)
+    decoupled   train.loss=ppo train.loss.decoupled=true   (proximal policy + capped IS weight)
+    naive       train.loss=ppo train.loss.decoupled=false  (PPO ratio against the behavior policy)
     opmd        train.loss=opmd                           (off-policy mirror descent squared loss)
 
 Each run goes to OUT/<loss>-s<max_staleness>; a run directory that already holds a
@@ -33,8 +33,8 @@ from async_rl.run.directory import RunDir, is_eval, is_step
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = {
-    "decoupled": ["train.loss=ppo", "train.ppo.decoupled=true"],
-    "naive": ["train.loss=ppo", "train.ppo.decoupled=false"],
+    "decoupled": ["train.loss=ppo", "train.loss.decoupled=true"],
+    "naive": ["train.loss=ppo", "train.loss.decoupled=false"],
     "opmd": ["train.loss=opmd"],
 }
 RUN_NAME = re.compile(r"^(" + "|".join(LOSSES) + r")-s(\d+)$")
@@ -72,9 +72,9 @@ def base_model(args: argparse.Namespace) -> Path:
     if args.model:
         return args.model.resolve()
     from async_rl.config import load_config
-    from async_rl.models import build_demo_model
+    from async_rl.models.demo import build_demo_model
     from async_rl.models.demo import INFO_FILE
-    from async_rl.run.runtime import make_task_from_config
+    from async_rl.tasks import task_from_config
 
     cfg = load_config(args.config, [f"seed={args.seed}", *args.set])
     if cfg.model.path != "demo":
@@ -82,7 +82,7 @@ def base_model(args: argparse.Namespace) -> Path:
     target = (args.out / "base_model").resolve()
     if not (target / INFO_FILE).exists():  # written last: a half-written directory is rebuilt
         print(f"building the demo base model in {target} ...", flush=True)
-        build_demo_model(target, seed=cfg.seed, task=make_task_from_config(cfg),
+        build_demo_model(target, seed=cfg.seed, task=task_from_config(cfg.task, cfg.seed),
                          target_accuracy=cfg.model.warm_start_accuracy)
     return target
 

@@ -97,7 +97,7 @@ class RewardGuard:
     def for_task(cls, task, cfg, logger: logging.Logger = log) -> "RewardGuard":
         """A guard around `task.reward` as the run's config (its `reward` section) says."""
         return cls(task.reward, timeout_s=cfg.reward.timeout_s, fallback=cfg.reward.fallback, logger=logger,
-                   name=cfg.task.reward or f"{type(task).__name__}.reward")
+                   name=getattr(cfg.task, "reward", None) or f"{type(task).__name__}.reward")
 
     def __call__(self, prompt: str, response: str, answer: str) -> float:
         try:

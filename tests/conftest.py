@@ -91,7 +91,7 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory):
     """The demo architecture and tokenizer, barely trained (these tests check plumbing, not learning)."""
-    from async_rl.models import build_demo_model
+    from async_rl.models.demo import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("model") / "demo", seed=0, target_accuracy=0.0,
                             min_mixed_fraction=0.0)
@@ -114,7 +114,7 @@ def kill_tree(proc: subprocess.Popen) -> list[int]:
     import signal
     import time
 
-    from async_rl.run.runtime import process_tree
+    from async_rl.run.processes import process_tree
 
     tree = process_tree(proc.pid)
     for pid in tree:
@@ -133,9 +133,11 @@ def kill_tree(proc: subprocess.Popen) -> list[int]:
 
 def train(run_dir: Path, model: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
     """`async-rl train` on the demo config, shrunk to a few small steps."""
+    small = ["train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4", "eval.every=2"]
+    if not any(o.startswith("task.name=") for o in overrides):  # other tasks may not have an eval_size
+        small.append("task.eval_size=32")
     cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run_dir}",
-           f"model.path={model}", "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4",
-           "task.eval_size=32", "eval.every=2", *overrides]
+           f"model.path={model}", *small, *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -158,7 +160,7 @@ def running_coordinator(run_dir: Path, config: dict, **options):
     from async_rl.config import build_config
     from async_rl.coordinator.coordinator import Coordinator
     from async_rl.tasks import make_task
-    from async_rl.weight_transfer import WeightBroadcaster
+    from async_rl.weight_transfer.broadcaster import WeightBroadcaster
 
     cfg = build_config({"max_staleness": 0, "learner": {"ranks": 1}, "transport": {"timeout_s": 5}, **config})
     task = make_task("arithmetic", seed=0)

@@ -38,10 +38,14 @@ from async_rl.wire import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Hear
                          SyncOrder, TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, encode, send)
 from async_rl.wire.curve import secure_client
 from async_rl.actor.hub_client import ConnectError, HubClient, register
-from async_rl.weight_transfer import SyncAbandoned, WeightReceiver, describe
+from async_rl.weight_transfer.errors import SyncAbandoned, describe
+from async_rl.weight_transfer.receiver import WeightReceiver
 from async_rl.weight_transfer.vllm.api import VLLMUnavailable
-from async_rl.run.runtime import (make_prompt_format, make_task_from_config, peak_rss_mb, quiet_libraries, resolve_device,
-                       sync_backend)
+from async_rl.tasks.prompt_format import prompt_format_for
+from async_rl.tasks import task_from_config
+from async_rl.run.processes import peak_rss_mb
+from async_rl.models.loading import quiet_libraries
+from async_rl.device import resolve_device, collective_backend
 
 log = logging.getLogger("async_rl.actor")
 
@@ -104,23 +108,24 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         torch.set_num_threads(cfg.actors.threads)
         hub.sock.setsockopt(zmq.RCVTIMEO, int(cfg.transport.timeout_s * 1000))
         device = resolve_device(cfg.model.device)
-        prompt_format = make_prompt_format(cfg)
+        prompt_format = prompt_format_for(cfg.model.path, cfg.task)
         stops = dict(eos_token_id=stop_token_ids(cfg.model.path, prompt_format.tokenizer))
         if cfg.actors.stop:
             stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
-        options = dict(seed=cfg.seed, threads=cfg.actors.threads, **cfg.actors.vllm.model_dump()) \
-            if cfg.actors.engine == "vllm" else {"dtype": getattr(torch, cfg.actors.dtype)}
+        engine_cfg = cfg.actors.engine
+        options = dict(seed=cfg.seed, threads=cfg.actors.threads, **engine_cfg.model_dump(exclude={"name"})) \
+            if engine_cfg.name == "vllm" else {"dtype": getattr(torch, engine_cfg.dtype)}
         options["lora"] = cfg.model.lora if cfg.model.lora.rank else None
         try:
-            engine = make_engine(cfg.actors.engine, model_or_path=cfg.model.path, device=device, **stops, **options)
+            engine = make_engine(engine_cfg.name, model_or_path=cfg.model.path, device=device, **stops, **options)
         except (VLLMUnavailable, VLLMConfigError) as err:  # the engine cannot run here: one line
             print(f"async-rl: actor {name}: {err}", file=sys.stderr, flush=True)
             return 2
-        task = make_task_from_config(cfg)
+        task = task_from_config(cfg.task, cfg.seed)
         reward = RewardGuard.for_task(task, cfg, logger=log)  # user code: failures are counted
-        runner = EpisodeRunner(cfg, task, prompt_format) if cfg.env.name else None  # multi-turn episodes
+        runner = EpisodeRunner(cfg, task, prompt_format) if cfg.env is not None else None  # multi-turn episodes
         prompts = PromptIndex(task)
-        sync_args = dict(bucket_mb=cfg.sync.bucket_mb, backend=sync_backend(device), timeout_s=cfg.sync.timeout_s)
+        sync_args = dict(bucket_mb=cfg.sync.bucket_mb, backend=collective_backend(device), timeout_s=cfg.sync.timeout_s)
         make_receiver = getattr(engine, "weight_receiver", None)  # engines whose weights live elsewhere (vLLM)
         receiver = (make_receiver(**sync_args) if make_receiver is not None
                     else WeightReceiver(engine.parameters_for_sync(), staged=cfg.sync.stage_on_actors, **sync_args))
@@ -367,7 +372,7 @@ def rollout(engine, prompt_format, task, prompts: PromptIndex, cfg: Config, gran
                                       temperature=cfg.actors.temperature, top_p=cfg.actors.top_p, generator=generator)
         greedy_rewards: list[float | None] = [None] * len(granted)
         errors = [[0] * len(REASONS) for _ in granted]  # per group: its samples' and its baseline's failures
-        if cfg.train.advantage == "remax":
+        if cfg.train.advantage.name == "remax":
             # ReMax's baseline: one greedy response per prompt from the same weights.
             greedy = engine.generate(prompt_tokens, n=1, max_new_tokens=cfg.actors.max_new_tokens, greedy=True)
             for k, (p, g) in enumerate(zip(granted, greedy)):

@@ -18,7 +18,7 @@ from async_rl.algorithms.gae import gae_advantages
 from async_rl.algorithms.normalization import ReduceSum
 
 if TYPE_CHECKING:
-    from async_rl.config import TrainConfig
+    from async_rl.algorithms.config import GAEAdvantage, GroupAdvantage, ReinforcePPAdvantage, ReMaxAdvantage
 
 GROUP_METHODS: tuple[str, ...] = ("grpo", "drgrpo", "rloo")
 _STD_EPS = 1e-6
@@ -172,7 +172,8 @@ class AdvantageInputs:
     mask: torch.Tensor  # response tokens
     group: torch.Tensor  # prompt group ids
     baselines: torch.Tensor  # reward of the prompt's greedy response (remax), NaN otherwise
-    train: TrainConfig  # gamma, critic.lam, kl.coef
+    config: GroupAdvantage | ReMaxAdvantage | ReinforcePPAdvantage | GAEAdvantage  # train.advantage
+    kl_coef: float  # train.kl.coef, for a KL penalty in the reward
     # With train.kl.mode=reward: KL(behavior || reference) per response token, 0 elsewhere.
     kl: torch.Tensor | None = None
     values: torch.Tensor | None = None  # the critic's values (gae)
@@ -184,7 +185,7 @@ class AdvantageInputs:
         estimators, and OPMD, see."""
         if self.kl is None:
             return self.rewards
-        return self.rewards - self.train.kl.coef * self.kl.sum(dim=-1)
+        return self.rewards - self.kl_coef * self.kl.sum(dim=-1)
 
 
 @dataclass
@@ -208,16 +209,14 @@ def _remax(x: AdvantageInputs) -> Advantages:
 
 
 def _reinforce_pp(x: AdvantageInputs) -> Advantages:
-    t = x.train
-    return Advantages(reinforce_pp_advantages(x.rewards, x.mask, kl=x.kl, kl_coef=t.kl.coef, gamma=t.gamma,
+    return Advantages(reinforce_pp_advantages(x.rewards, x.mask, kl=x.kl, kl_coef=x.kl_coef, gamma=x.config.gamma,
                                               reduce_sum=x.reduce_sum))
 
 
 def _gae(x: AdvantageInputs) -> Advantages:
     """GAE on the critic's values (gae.py), whitened over the global batch like REINFORCE++."""
-    t = x.train
-    token_r = token_rewards(x.rewards, x.mask, kl=x.kl, kl_coef=t.kl.coef)
-    adv, returns = gae_advantages(token_r, x.values, x.mask, gamma=t.gamma, lam=t.critic.lam)
+    token_r = token_rewards(x.rewards, x.mask, kl=x.kl, kl_coef=x.kl_coef)
+    adv, returns = gae_advantages(token_r, x.values, x.mask, gamma=x.config.gamma, lam=x.config.lam)
     return Advantages(masked_whiten(adv, x.mask, reduce_sum=x.reduce_sum), returns)
 
 
@@ -233,7 +232,7 @@ def _grpo_process(x: AdvantageInputs) -> Advantages:
     if x.kl is not None:
         is_step = ~steps.isnan()
         last = is_step & (is_step.cumsum(-1) == is_step.sum(-1, keepdim=True))
-        steps = torch.where(last, steps - x.train.kl.coef * x.kl.sum(-1, keepdim=True), steps)
+        steps = torch.where(last, steps - x.kl_coef * x.kl.sum(-1, keepdim=True), steps)
     return Advantages(process_advantages(steps, x.mask, x.group))
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+from async_rl.algorithms.config import AGG_MODES
+
 
 
 def _check_agg(agg: str) -> None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
+from async_rl.algorithms.config import KL_KINDS
+
 # verl also clamps d to [-20, 20] before k3's exp. Bounding only the exponent keeps every
 # clamped estimate unchanged (k3(-20) = e^20 - 21 exceeds any sensible clamp), and makes
 # the clamped-away gradient 0 rather than 0 * exp(inf) = NaN.

@@ -19,7 +19,7 @@ from async_rl.algorithms.ppo import ppo_clip_loss
 from async_rl.algorithms.step_metrics import Figure, Mean
 
 if TYPE_CHECKING:
-    from async_rl.config import TrainConfig
+    from async_rl.algorithms.config import OPMDLoss, PPOLoss
 
 # Logged on every step line whatever the loss (DESIGN.md lists is/clip_frac).
 CLIP_FRACTIONS: tuple[str, ...] = (
@@ -37,7 +37,8 @@ class LossInputs:
     mask: torch.Tensor  # response tokens
     rewards: torch.Tensor  # [B], with any KL-in-reward penalty
     group: torch.Tensor  # [B] prompt group ids
-    train: TrainConfig  # the loss reads its own section (train.ppo, train.opmd) and train.agg
+    config: PPOLoss | OPMDLoss  # the loss's own section: train.loss
+    agg: str  # train.agg
 
 
 @dataclass
@@ -58,10 +59,10 @@ class PPOClip:
     """Decoupled PPO-clip (AReaL) or naive PPO-clip (ppo.py): a `train.agg` mean."""
 
     def __call__(self, x: LossInputs) -> LossOutput:
-        p = x.train.ppo
+        p = x.config
         loss, stats = ppo_clip_loss(
             x.logp, x.logp_prox, x.logp_behav, x.advantages, x.mask, eps_low=p.eps_low, eps_high=p.eps_high,
-            is_cap=p.is_cap, decoupled=p.decoupled, agg=x.train.agg, dual_clip=p.dual_clip, is_mode=p.is_mode,
+            is_cap=p.is_cap, decoupled=p.decoupled, agg=x.agg, dual_clip=p.dual_clip, is_mode=p.is_mode,
             log_ratio_clamp=p.log_ratio_clamp)
         tokens = float(x.mask.sum())
         return LossOutput(loss, {key: Mean.of(value, tokens) for key, value in stats.items()})
@@ -74,7 +75,7 @@ class OPMD:
     """Kimi k1.5's squared-loss policy mirror descent (opmd.py): a mean over prompt groups."""
 
     def __call__(self, x: LossInputs) -> LossOutput:
-        o = x.train.opmd
+        o = x.config
         loss, stats = opmd_loss(x.logp, x.logp_behav, x.mask, x.rewards, x.group, tau=o.tau,
                                 length_norm=o.length_norm)
         samples, tokens = x.mask.shape[0], float(x.mask.sum())

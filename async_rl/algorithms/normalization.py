@@ -26,18 +26,21 @@ the minibatch mean: the gradient of one process training on the whole minibatch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 
 from async_rl.algorithms.aggregation import agg_denominator
 
-if TYPE_CHECKING:
-    from async_rl.algorithms.losses import PolicyLoss
-
 # Sums a tensor over all learner ranks (an all_reduce), so that statistics are those
 # of the global batch, not of one rank's shard.
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+class CountsUnits(Protocol):
+    """A policy loss, as far as normalization needs it (losses.PolicyLoss)."""
+
+    def units(self, mask: torch.Tensor, group: torch.Tensor, agg: str) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class Units:
     tokens: float  # response tokens: the value loss
 
     @classmethod
-    def of(cls, policy_loss: PolicyLoss, mask: torch.Tensor, group: torch.Tensor, agg: str) -> "Units":
+    def of(cls, policy_loss: CountsUnits, mask: torch.Tensor, group: torch.Tensor, agg: str) -> "Units":
         return cls(policy_loss.units(mask, group, agg), agg_denominator(mask, agg), float(mask.sum()))
 
 

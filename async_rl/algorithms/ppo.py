@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import torch
 
+from async_rl.algorithms.config import IS_MODES
+
 from async_rl.algorithms.aggregation import aggregate
 
-IS_MODES: tuple[str, ...] = ("truncate", "mask")
 
 
 def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:

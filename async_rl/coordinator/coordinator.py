@@ -34,7 +34,7 @@ from async_rl.user_code import REASONS
 from async_rl.run.tracing import TraceWriter
 from async_rl.wire import (EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder,
                          TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, claimed_group)
-from async_rl.weight_transfer import WeightBroadcaster
+from async_rl.weight_transfer.broadcaster import WeightBroadcaster
 from async_rl.coordinator.actor_registry import ActorInfo, ActorRegistry
 from async_rl.coordinator.hub import Hub
 
@@ -355,7 +355,7 @@ class Coordinator:
             reason = "bad_version"
         elif len(msg.response_lengths) != self.cfg.train.group_size or msg.prompt_id != grant.prompt_id:
             reason = "bad_group"
-        elif self.cfg.train.advantage == "remax" and msg.greedy_reward is None:
+        elif self.cfg.train.advantage.name == "remax" and msg.greedy_reward is None:
             reason = "missing_baseline"
         if reason is not None:
             self.rejects.reject(reason)

@@ -22,8 +22,10 @@ import torch.distributed as dist
 
 from async_rl.config import Config, ConfigError, load_config
 from async_rl.run.lock import RunLock
-from async_rl.run.runtime import (EXIT_CONFIG, LAUNCHER_ENV, die_with_parent, quiet_libraries, resolve_device, sync_backend,
-                       write_status)
+from async_rl.run.status import EXIT_CONFIG, LAUNCHER_ENV, write_status
+from async_rl.run.processes import die_with_parent
+from async_rl.models.loading import quiet_libraries
+from async_rl.device import resolve_device, collective_backend
 from async_rl.learner.trainer import Learner
 
 
@@ -81,7 +83,7 @@ def _train(cfg: Config, resume: Path | None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = resolve_device(cfg.model.device)  # this rank's GPU, now that it is the current one
     torch.set_num_threads(cfg.learner.threads)
-    dist.init_process_group(backend=sync_backend(device), timeout=datetime.timedelta(seconds=cfg.learner.timeout_s))
+    dist.init_process_group(backend=collective_backend(device), timeout=datetime.timedelta(seconds=cfg.learner.timeout_s))
     learner = Learner(cfg, resume)
 
     def request_stop(signum, _frame):

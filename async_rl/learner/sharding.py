@@ -95,7 +95,7 @@ def build_models(cfg: Config, device: torch.device, mesh) -> Models:
             cfg.learner.pack = False
     lora = cfg.model.lora.rank > 0
     if lora:
-        from async_rl.lora import with_adapters
+        from async_rl.lora.adapters import with_adapters
 
         policy = with_adapters(policy, cfg.model.lora)
     policy = shard_model(policy, mesh, precision=lc.precision,
@@ -106,11 +106,11 @@ def build_models(cfg: Config, device: torch.device, mesh) -> Models:
         models.reference_is_base = True  # the policy computing its base (lora.base_only): no second model
     elif cfg.train.kl.coef > 0:  # no backward through the reference: nothing to checkpoint
         models.reference = shard_model(load_policy().requires_grad_(False).eval(), mesh, precision=lc.precision)
-    if cfg.train.advantage == "gae":
+    if cfg.train.advantage.name == "gae":
         from async_rl.models.critic import ValueModel
 
         models.critic = shard_model(ValueModel(cfg.model.path).to(device), mesh, precision=lc.precision,
                                     activation_checkpointing=lc.activation_checkpointing)
-        models.critic_optimizer = adamw(models.critic.parameters(), lr=cfg.train.critic.lr,
+        models.critic_optimizer = adamw(models.critic.parameters(), lr=cfg.train.advantage.critic_lr,
                                         weight_decay=cfg.train.weight_decay)
     return models

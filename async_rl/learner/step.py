@@ -31,10 +31,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from async_rl import algorithms
+from async_rl.algorithms.aggregation import aggregate
+from async_rl.algorithms.gae import value_loss as critic_loss
+from async_rl.algorithms.importance import off_policy_figures
+from async_rl.algorithms.kl import kl_estimate
+from async_rl.algorithms.normalization import global_units
+from async_rl.algorithms.overlong import overlong_filter, overlong_penalty
+from async_rl.algorithms.token_logp import chosen_logp
 from async_rl.learner import packing
-from async_rl.algorithms import (ADVANTAGES, LOSSES, AdvantageInputs, Count, LossInputs, Mean, Shares, StepMetrics, Units,
-                         backward_share)
+from async_rl.algorithms.advantages import ADVANTAGES, AdvantageInputs
+from async_rl.algorithms.losses import LOSSES, LossInputs
+from async_rl.algorithms.step_metrics import Count, Mean, StepMetrics
+from async_rl.algorithms.normalization import Shares, Units, backward_share
 from async_rl.learner.batching import Batch
 from async_rl.config import Config
 
@@ -73,7 +81,7 @@ def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False,
         def place(x):
             return x[:, :-1]
     grad = entropy and entropy_grad and torch.is_grad_enabled()
-    logp, ent = algorithms.chosen_logp(logits, targets, temperature, entropy=entropy)
+    logp, ent = chosen_logp(logits, targets, temperature, entropy=entropy)
     if ent is None:
         return place(logp), None
     return place(logp), place(ent if grad else ent.detach())
@@ -124,10 +132,10 @@ def _with_overlong(cfg: Config, local: Batch) -> Batch:
     """DAPO's overlong penalty and filter (algorithms/overlong.py), when configured."""
     o = cfg.train.overlong
     if o.penalty_tokens:  # on the response length, before the filter empties any row
-        local = replace(local, rewards=local.rewards + algorithms.overlong_penalty(
+        local = replace(local, rewards=local.rewards + overlong_penalty(
             local.loss_mask.sum(-1), cfg.actors.max_new_tokens, o.penalty_tokens, o.penalty))
     if o.filter:
-        local = replace(local, loss_mask=algorithms.overlong_filter(local.loss_mask, local.truncated))
+        local = replace(local, loss_mask=overlong_filter(local.loss_mask, local.truncated))
     return local
 
 
@@ -160,7 +168,7 @@ def _prepare(cfg: Config, models: Models, local: Batch, layouts: dict[Micro, pac
     if models.reference is not None:
         ref = _no_grad_pass(logp_of(models.reference), local, layouts)
     elif models.reference_is_base:
-        from async_rl.lora import base_only
+        from async_rl.lora.adapters import base_only
 
         with base_only(models.policy):
             ref = _no_grad_pass(logp_of(models.policy), local, layouts)
@@ -168,17 +176,17 @@ def _prepare(cfg: Config, models: Models, local: Batch, layouts: dict[Micro, pac
         values = _no_grad_pass(lambda b, _: forward_values(models.critic, b), local, layouts)
     if ref is not None and t.kl.mode == "reward":
         # The behavior policy sampled the tokens, so its log-probs give an unbiased estimate.
-        kl = torch.where(local.loss_mask.bool(), algorithms.kl_estimate(local.logp_behav, ref, t.kl.estimator,
+        kl = torch.where(local.loss_mask.bool(), kl_estimate(local.logp_behav, ref, t.kl.estimator,
                                                                          clamp=t.kl.clamp), 0.0)
-    x = AdvantageInputs(local.rewards, local.loss_mask, local.group, local.baselines, t, kl, values, _all_reduce_sum,
-                        step_rewards=local.step_rewards)
-    est = ADVANTAGES[t.advantage](x)
+    x = AdvantageInputs(local.rewards, local.loss_mask, local.group, local.baselines, t.advantage, t.kl.coef, kl, values,
+                        _all_reduce_sum, step_rewards=local.step_rewards)
+    est = ADVANTAGES[t.advantage.name](x)
     # OPMD regresses on the rewards the sequence-level estimators saw (KL-penalized).
     return Prepared(replace(local, rewards=x.sequence_rewards()), est.advantages, est.returns, prox, ref, values)
 
 
 def _units(cfg: Config, batch: Batch) -> Units:
-    return Units.of(LOSSES[cfg.train.loss], batch.loss_mask, batch.group, cfg.train.agg)
+    return Units.of(LOSSES[cfg.train.loss.name], batch.loss_mask, batch.group, cfg.train.agg)
 
 
 def _backward_micro(cfg: Config, models: Models, x: Prepared, layout: packing.Packed | None, minibatch: Units,
@@ -198,10 +206,11 @@ def _backward_micro(cfg: Config, models: Models, x: Prepared, layout: packing.Pa
     logp, entropy = forward_logp(models.policy, b, cfg.actors.temperature, entropy=True,
                                  entropy_grad=t.entropy_coef > 0, layout=layout)
     prox = logp.detach() if x.prox is None else x.prox  # one optimizer step: the proximal policy is the current one
-    out = LOSSES[t.loss](LossInputs(logp, prox, b.logp_behav, x.advantages, mask, b.rewards, b.group, t))
+    out = LOSSES[t.loss.name](LossInputs(logp, prox, b.logp_behav, x.advantages, mask, b.rewards, b.group, t.loss,
+                                             t.agg))
     metrics.update(out.metrics)
     metrics.add("policy/entropy", Mean(float(torch.where(mask.bool(), entropy.detach(), 0.0).sum()), units.tokens))
-    weights, off_policy = algorithms.off_policy_figures(prox, b.logp_behav, mask)
+    weights, off_policy = off_policy_figures(prox, b.logp_behav, mask)
     metrics.update(off_policy)
     if is_weights is not None:
         is_weights.append(weights[mask.bool()].cpu())
@@ -209,19 +218,19 @@ def _backward_micro(cfg: Config, models: Models, x: Prepared, layout: packing.Pa
     terms = {"loss/policy": out.loss * share.policy}
     if x.ref is not None:
         # Clamped as it enters the loss, so policy/kl_ref logs what is penalized.
-        kl = algorithms.kl_estimate(logp, x.ref, t.kl.estimator, clamp=t.kl.clamp)
+        kl = kl_estimate(logp, x.ref, t.kl.estimator, clamp=t.kl.clamp)
         metrics.add("policy/kl_ref", Mean(float(torch.where(mask.bool(), kl.detach(), 0.0).sum()), units.tokens))
         if t.kl.mode == "loss":
-            terms["loss/kl"] = t.kl.coef * algorithms.aggregate(kl, mask, t.agg) * share.regularizer
+            terms["loss/kl"] = t.kl.coef * aggregate(kl, mask, t.agg) * share.regularizer
     if t.entropy_coef > 0:
-        terms["loss/entropy"] = -t.entropy_coef * algorithms.aggregate(entropy, mask, t.agg) * share.regularizer
+        terms["loss/entropy"] = -t.entropy_coef * aggregate(entropy, mask, t.agg) * share.regularizer
     loss = sum(terms.values()) * (0.0 if padding else 1.0)
     backward_share(loss, world)
     losses = {**{name: float(term.detach()) for name, term in terms.items()}, "loss/total": float(loss.detach())}
 
     if models.critic is not None:  # after the policy's backward: one model's activations alive at a time
-        value_loss, critic_metrics = algorithms.value_loss(forward_values(models.critic, b), x.values, x.returns,
-                                                           mask, clip=t.critic.value_clip)
+        value_loss, critic_metrics = critic_loss(forward_values(models.critic, b), x.values, x.returns,
+                                                           mask, clip=t.advantage.value_clip)
         backward_share(value_loss * share.value * (0.0 if padding else 1.0), world)
         losses["loss/value"] = float(value_loss.detach()) * share.value
         metrics.update({key: Mean.of(value, units.tokens) for key, value in critic_metrics.items()})
@@ -270,7 +279,7 @@ def _skips_zero_advantage(cfg: Config, models: Models) -> bool:
     """Whether a group whose advantages are all 0 adds nothing to the step's gradient: the
     PPO loss is A times a function of the log-probs, and no other term reads the group."""
     t = cfg.train
-    return (cfg.learner.skip_zero_advantage and t.loss == "ppo" and t.minibatches == 1 and t.entropy_coef == 0
+    return (cfg.learner.skip_zero_advantage and t.loss.name == "ppo" and t.minibatches == 1 and t.entropy_coef == 0
             and models.reference is None and not models.reference_is_base and models.critic is None)
 
 
@@ -317,7 +326,7 @@ def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch
     local = _with_overlong(cfg, local)
     # Each loss term is a mean over its whole minibatch on every rank: count the units first.
     per_mb = local.tokens.shape[0] // t.minibatches
-    minibatch_units = algorithms.global_units([_units(cfg, local.rows(k * per_mb, (k + 1) * per_mb))
+    minibatch_units = global_units([_units(cfg, local.rows(k * per_mb, (k + 1) * per_mb))
                                                for k in range(t.minibatches)], _all_reduce_sum, local.tokens.device)
     if _skips_zero_advantage(cfg, models):  # advantages first: no forward is needed for them
         prepared = _prepare(cfg, models, local, {})

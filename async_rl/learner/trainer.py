@@ -29,12 +29,15 @@ from async_rl.learner.batching import Batch, scatter_batch
 from async_rl.learner.checkpoint import BUFFER_FILE, load_checkpoint, read_groups, save_checkpoint, save_hf_model, write_groups
 from async_rl.config import Config, to_yaml
 from async_rl.learner.health import RunHealth
-from async_rl.lora import is_adapter, save_lora_final
+from async_rl.lora.adapters import is_adapter, save_lora_final
 from async_rl.run.metrics import MetricsLogger
 from async_rl.learner.sharding import build_models, full_parameters
 from async_rl.tasks.prompt_format import prompt_limit
-from async_rl.run.runtime import (EXIT_CONFIG, EXIT_NONFINITE, EXIT_REWARD_ERRORS, EXIT_STALLED, make_prompt_format,
-                       make_task_from_config, peak_rss_mb, resolve_device, sync_backend, write_status)
+from async_rl.run.status import EXIT_CONFIG, EXIT_NONFINITE, EXIT_REWARD_ERRORS, EXIT_STALLED, write_status
+from async_rl.tasks.prompt_format import prompt_format_for
+from async_rl.tasks import task_from_config
+from async_rl.run.processes import peak_rss_mb
+from async_rl.device import resolve_device, collective_backend
 from async_rl.user_code import describe
 from async_rl.run.tracing import SpanRecorder, TraceWriter
 from async_rl.learner.step import train_step
@@ -68,7 +71,7 @@ class Learner:
         # A DTensor reports its global shape, so no communication is needed here.
         self.specs = [(n, tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()
                       if self.synced is None or self.synced(n)]
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(cfg, step))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(cfg.train.lr_schedule, cfg.train.max_steps, step))
         self.version = 0
         self.samples_total = self.skipped_total = 0
         self.skipped_streak = 0  # steps in a row with a non-finite loss or gradient
@@ -97,32 +100,32 @@ class Learner:
         return parts
 
     def _init_rank0(self, resume: bool) -> None:
-        from async_rl.weight_transfer import WeightBroadcaster
+        from async_rl.weight_transfer.broadcaster import WeightBroadcaster
         from async_rl.coordinator.coordinator import Coordinator
 
         cfg = self.cfg
-        self.prompt_format = make_prompt_format(cfg)  # for the samples shown in TensorBoard
-        self.task = make_task_from_config(cfg)
+        self.prompt_format = prompt_format_for(cfg.model.path, cfg.task)  # for the samples shown in TensorBoard
+        self.task = task_from_config(cfg.task, cfg.seed)
         self.health = RunHealth(cfg.metrics.warn_after_steps, self.prompt_format.uses_chat, cfg.actors.max_new_tokens)
         specs = self.specs
         # vLLM's weight transfer carries whole models; LoRA adapters reach vLLM actors over the plain sync.
-        engine = "torch" if self.synced is not None else cfg.actors.engine
+        engine = "torch" if self.synced is not None else cfg.actors.engine.name
         if engine == "vllm":  # the weights travel in the vLLM actors' dtype where it is 16-bit
             from async_rl.weight_transfer.vllm.transport import wire_dtype
 
-            specs = [(name, shape, wire_dtype(cfg.actors.vllm.dtype)) for name, shape, _ in specs]
-        elif cfg.actors.engine == "torch" and cfg.actors.dtype != "float32":  # torch actors hold their dtype
-            specs = [(name, shape, getattr(torch, cfg.actors.dtype)) for name, shape, _ in specs]
+            specs = [(name, shape, wire_dtype(cfg.actors.engine.dtype)) for name, shape, _ in specs]
+        elif cfg.actors.engine.name == "torch" and cfg.actors.engine.dtype != "float32":  # torch actors hold their dtype
+            specs = [(name, shape, getattr(torch, cfg.actors.engine.dtype)) for name, shape, _ in specs]
         self.sync_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)  # as they travel
         self.broadcaster = WeightBroadcaster(specs, bucket_mb=cfg.sync.bucket_mb, host=cfg.transport.host,
-                                             backend=sync_backend(self.device), device=self.device,
+                                             backend=collective_backend(self.device), device=self.device,
                                              timeout_s=cfg.sync.timeout_s, transport=cfg.sync.transport,
                                              port=cfg.transport.store_port, engine=engine,
                                              double_buffer=cfg.sync.double_buffer)
         # The run's timeline (trace.json): this thread's spans, and the actors' via the coordinator.
         self.trace = TraceWriter(self.run_dir / "trace.json", resume=resume)
         self.spans = self.trace.learner
-        lengths = make_prompt_format(cfg)  # the coordinator thread's own tokenizer
+        lengths = prompt_format_for(cfg.model.path, cfg.task)  # the coordinator thread's own tokenizer
         self.prompt_limit = prompt_limit(cfg.task.max_prompt_tokens, self.model.config, cfg.actors.max_new_tokens)
         self.coordinator = Coordinator(cfg, self.task, self.broadcaster, self.run_dir, trace=self.trace,
                                        prompt_length=lambda prompt: len(lengths.encode(prompt)),

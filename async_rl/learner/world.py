@@ -18,7 +18,8 @@ import logging
 import sys
 from pathlib import Path
 
-from async_rl.run.runtime import die_with_parent, write_status
+from async_rl.run.processes import die_with_parent
+from async_rl.run.status import write_status
 
 TORCHRUN_LOG = "torchrun.log"
 

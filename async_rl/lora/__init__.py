@@ -6,8 +6,3 @@ copy), and the weight sync sends only the adapters: the actors' torch engine wra
 copy of the base in the same adapters and receives them in place. final/ is a peft
 adapter directory. docs/lora.md.
 """
-from async_rl.lora.adapters import (ADAPTER_MARK, adapter_parameters, base_only, check_targets, is_adapter, peft_config,
-                       save_adapter, save_lora_final, save_merged, with_adapters)
-
-__all__ = ["ADAPTER_MARK", "adapter_parameters", "base_only", "check_targets", "is_adapter", "peft_config",
-           "save_adapter", "save_lora_final", "save_merged", "with_adapters"]

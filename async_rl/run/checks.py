@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 from async_rl.config import Config, ConfigError
-from async_rl.run.runtime import make_prompt_format, make_task_from_config, resolve_device
+from async_rl.tasks.prompt_format import prompt_format_for
+from async_rl.tasks import task_from_config
+from async_rl.device import resolve_device
 
 log = logging.getLogger("async_rl.launch")
 
@@ -20,7 +22,7 @@ def check_engine(cfg: Config, model: bool = False) -> None:
     """vLLM actors: vLLM importable here, as each actor will import it, and (`model`) a
     model and settings it can run; in one line (exit 2) before anything starts, instead
     of in every actor. Nothing to check for the torch engine."""
-    if cfg.actors.engine != "vllm":
+    if cfg.actors.engine.name != "vllm":
         return
     from async_rl.weight_transfer.vllm.api import VLLMUnavailable, require_vllm
 
@@ -35,7 +37,7 @@ def check_engine(cfg: Config, model: bool = False) -> None:
 
         try:
             check_model(AutoConfig.from_pretrained(cfg.model.path), resolve_device(cfg.model.device),
-                        cfg.actors.vllm.max_model_len)
+                        cfg.actors.engine.max_model_len)
         except VLLMConfigError as err:
             raise ConfigError(str(err)) from None
 
@@ -46,7 +48,7 @@ def check_lora(cfg: Config) -> None:
         return
     if importlib.util.find_spec("peft") is None:
         raise ConfigError("model.lora.rank: LoRA needs the peft package: pip install 'async-rl[lora]'")
-    from async_rl.lora import check_targets
+    from async_rl.lora.adapters import check_targets
 
     problem = check_targets(cfg.model.path, cfg.model.lora.target_modules)
     if problem:
@@ -56,7 +58,7 @@ def check_lora(cfg: Config) -> None:
 def task_of(cfg: Config):
     """The run's task, or a ConfigError in one line."""
     try:
-        return make_task_from_config(cfg)
+        return task_from_config(cfg.task, cfg.seed)
     except (ValueError, OSError) as err:
         line = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ConfigError(line if line.startswith("task.") else f"task: {line}") from None
@@ -66,7 +68,7 @@ def check_task(cfg: Config) -> None:
     """Build the task, its prompt format and its reward as every process will, and call
     the reward on a sample, so that user code and data fail here in one line (exit 2)
     instead of in every spawned process. A reward given as a file path is made absolute."""
-    spec = cfg.task.reward
+    spec = getattr(cfg.task, "reward", None)
     # The spawned processes get the working directory on their path (_child_env); so
     # does this check, also when run as the `async-rl` script (whose path starts at the
     # script's own directory, not the working directory).
@@ -77,7 +79,7 @@ def check_task(cfg: Config) -> None:
         cfg.task.reward = f"{Path(file).resolve()}:{fn}"
     task = task_of(cfg)
     try:
-        prompt_format = make_prompt_format(cfg)
+        prompt_format = prompt_format_for(cfg.model.path, cfg.task)
         samples = [task.train_prompt(0), *task.eval_prompts()[:1]]
         for prompt in samples:
             prompt_format.encode(prompt)
@@ -100,7 +102,7 @@ def check_task(cfg: Config) -> None:
             if not finite:
                 raise ConfigError(f"task.reward: {spec or 'the task reward'} returned {value!r:.40} on a sample; "
                                   f"a reward must be a finite number")
-    if cfg.env.name:
+    if cfg.env is not None:
         check_environment(cfg, task, prompt_format)
 
 

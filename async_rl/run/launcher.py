@@ -8,7 +8,7 @@ learner ranks finish their step and write a checkpoint and final/, the actors ar
 goodbye, and whatever does not leave within a grace period is killed. Every child dies with the launcher (a parent-death
 signal), so a launcher killed outright leaves nothing running behind it.
 
-Exit status: the learner's (0, or runtime.EXIT_* for a run it stopped), 128 + the
+Exit status: the learner's (0, or run/status.py's EXIT_* for a run it stopped), 128 + the
 signal's number when interrupted (130 SIGINT, 143 SIGTERM, 129 SIGHUP), 2 for a config
 error, 1 when the learner failed.
 """
@@ -31,14 +31,16 @@ from async_rl.config import Config, ConfigError, from_yaml, resolve_run_dir, to_
 from async_rl.run.lock import RunLock
 from async_rl.run.directory import RunDir
 from async_rl.run.checks import check_engine, check_lora, check_task, task_of
-from async_rl.run.runtime import LAUNCHER_ENV, child_of, resolve_device, write_status
+from async_rl.run.status import LAUNCHER_ENV, write_status
+from async_rl.run.processes import child_of
+from async_rl.device import resolve_device
 
 log = logging.getLogger("async_rl.launch")
 GRACE_S = 30.0
 HUB_START_S = 300.0
 # A resumed run must keep these: they define the prompt stream, the admission slots,
 # the shape of buffered groups and which models the checkpoint holds.
-RESUME_FIXED = ("seed", "model.path", "task", "train.batch_groups", "train.group_size", "train.advantage")
+RESUME_FIXED = ("seed", "model.path", "task", "train.batch_groups", "train.group_size", "train.advantage.name")
 
 
 def _lookup(cfg: Config, dotted: str):
@@ -98,14 +100,14 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
 def ensure_demo_model(cfg: Config, target: Path) -> Path:
     """The demo model for cfg's seed and task, warm-started into `target` unless a
     complete one is there (its INFO_FILE is written last)."""
-    from async_rl.models import build_demo_model
+    from async_rl.models.demo import build_demo_model
     from async_rl.models.demo import INFO_FILE, VLLM_HEAD_DIM
 
     if not (target / INFO_FILE).exists():
         log.info("building the demo model (with supervised warm start) in %s", target)
         build_demo_model(target, seed=cfg.seed, task=task_of(cfg),
                          target_accuracy=cfg.model.warm_start_accuracy,
-                         **({"head_dim": VLLM_HEAD_DIM} if cfg.actors.engine == "vllm" else {}))
+                         **({"head_dim": VLLM_HEAD_DIM} if cfg.actors.engine.name == "vllm" else {}))
     return target
 
 
@@ -199,7 +201,7 @@ def _say(text: str) -> None:
 
 
 def _learner_workers(torchrun: subprocess.Popen) -> list[int]:
-    from async_rl.run.runtime import process_tree
+    from async_rl.run.processes import process_tree
 
     return process_tree(torchrun.pid)[1:]
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from async_rl.tasks.arithmetic import ArithmeticTask, exact_match
-from async_rl.tasks.base import EVAL_ID_OFFSET, Prompt, RewardFn, Task, is_eval_id, load_reward_fn
+from async_rl.tasks.base import EVAL_ID_OFFSET, Prompt, RewardFn, Task, is_eval_id
+from async_rl.tasks.rewards import load_reward_fn
 from async_rl.tasks.jsonl import JsonlTask, read_jsonl
 from async_rl.tasks.reasoning_gym_adapter import ReasoningGymTask
 from async_rl.tasks.tool_problems import ToolProblemsTask
@@ -53,6 +54,20 @@ class PromptIndex:
         return self._eval[prompt_id - EVAL_ID_OFFSET]
 
 
+def task_from_config(section, seed: int) -> Task:
+    """The task a `task` config section describes (tasks/config.py), with the run's seed;
+    its `reward`, when set, replaces the task's own."""
+    if section.name == "jsonl":
+        return make_task("jsonl", seed=seed, path=section.train_path, eval_path=section.eval_path,
+                         reward=section.reward)
+    if section.name == "reasoning_gym":
+        return make_task("reasoning_gym", seed=seed, dataset=section.dataset, options=section.dataset_options,
+                         eval_size=section.eval_size, system_prompt=section.system_prompt)
+    options = {"digits": section.digits} if section.name == "arithmetic" else {}
+    task = make_task(section.name, seed=seed, eval_size=section.eval_size, **options)
+    return WithReward(task, load_reward_fn(section.reward)) if section.reward else task
+
+
 def make_task(name: str, *, seed: int, **options: Any) -> Task:
     """Build a task by name; unknown names or options raise ValueError saying which."""
     try:
@@ -84,4 +99,5 @@ __all__ = [
     "load_reward_fn",
     "make_task",
     "read_jsonl",
+    "task_from_config",
 ]

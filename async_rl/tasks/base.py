@@ -98,23 +98,6 @@ class EpochSampler:
         return int(self._perm[pos])
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """Resolve a reward spec to a callable ``f(prompt, response, answer)``: a built-in
-    name (rewards.BUILTIN_REWARDS), or a user callable (`load_callable`).
-
-    Every way this can fail raises ValueError with one line naming the spec, so a bad
-    config surfaces as one readable line instead of a traceback.
-    """
-    from async_rl.tasks.rewards import BUILTIN_REWARDS  # rewards imports this module
-
-    if isinstance(spec, str) and spec.strip() in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec.strip()]
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"reward spec {spec!r} must be a built-in name ({', '.join(BUILTIN_REWARDS)}), "
-                         f"'module:function' or 'path/to/file.py:function'")
-    return load_callable(spec, "reward spec")  # type: ignore[return-value]
-
-
 def load_callable(spec: str, what: str) -> Callable:
     """User code named by ``package.module:function`` (importable from the working
     directory, which the launcher puts on the spawned processes' path) or

@@ -18,7 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from async_rl.tasks.base import EVAL_ID_OFFSET, EpochSampler, Prompt, RewardFn, load_reward_fn
+from async_rl.tasks.base import EVAL_ID_OFFSET, EpochSampler, Prompt, RewardFn
+from async_rl.tasks.rewards import load_reward_fn
 
 DEFAULT_REWARD = "async_rl.tasks.arithmetic:exact_match"
 

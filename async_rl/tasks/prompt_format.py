@@ -76,6 +76,16 @@ class PromptFormat:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=False) + (CUT_MARK if truncated else "")
 
 
+def prompt_format_for(model_path: str, task, tokenizer: Any = None) -> PromptFormat:
+    """How a run turns prompts into tokens: the model's tokenizer and the `task` section's
+    rendering choices. Loads its own tokenizer unless given one (a fast tokenizer must not
+    be shared between threads)."""
+    from async_rl.models.loading import load_tokenizer
+
+    return PromptFormat(tokenizer if tokenizer is not None else load_tokenizer(model_path), task.chat_template,
+                        task.system_prompt)
+
+
 def _ids(value: Any) -> list[int]:
     if value is None:
         return []

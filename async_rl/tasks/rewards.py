@@ -25,7 +25,7 @@ import signal
 import threading
 
 from async_rl.tasks.arithmetic import exact_match
-from async_rl.tasks.base import RewardFn
+from async_rl.tasks.base import RewardFn, load_callable
 
 # A number as models write it: a sign (only where it cannot be a minus between two
 # terms: "5-7" is two numbers), thousands separators, decimals, a fraction a/b.
@@ -192,3 +192,18 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "gsm8k": gsm8k,
     "math_verify": math_verify,
 }
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Resolve a reward spec to a callable ``f(prompt, response, answer)``: a built-in
+    name (rewards.BUILTIN_REWARDS), or a user callable (`load_callable`).
+
+    Every way this can fail raises ValueError with one line naming the spec, so a bad
+    config surfaces as one readable line instead of a traceback.
+    """
+    if isinstance(spec, str) and spec.strip() in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec.strip()]
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"reward spec {spec!r} must be a built-in name ({', '.join(BUILTIN_REWARDS)}), "
+                         f"'module:function' or 'path/to/file.py:function'")
+    return load_callable(spec, "reward spec")  # type: ignore[return-value]

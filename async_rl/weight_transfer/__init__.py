@@ -18,17 +18,3 @@ for an actor on the learner's own GPU (cuda_ipc.py), vLLM's weight-transfer API 
 actors on the vLLM engine (vllm.py, vllm_api.py). A broadcast that a dropped member
 holds up is abandoned at both ends instead of waiting out its timeout (abandon.py).
 """
-from async_rl.weight_transfer.base import WeightTransport
-from async_rl.weight_transfer.broadcaster import WeightBroadcaster
-from async_rl.weight_transfer.collective import broadcast, new_group
-from async_rl.weight_transfer.epochs import EpochPlan, SyncJob, plan_epoch
-from async_rl.weight_transfer.errors import EpochRejected, SyncAbandoned, describe
-from async_rl.weight_transfer.plan import Bucket, BucketEntry, alias_into_buckets, plan_buckets, plan_packed
-from async_rl.weight_transfer.receiver import WeightReceiver
-from async_rl.weight_transfer.transports import TRANSPORTS, choose_transport, transport_named
-from async_rl.weight_transfer.vllm.transport import VLLMWeightReceiver
-
-__all__ = ["Bucket", "BucketEntry", "EpochPlan", "EpochRejected", "SyncAbandoned", "SyncJob", "TRANSPORTS",
-           "VLLMWeightReceiver", "WeightBroadcaster", "WeightReceiver", "WeightTransport", "alias_into_buckets",
-           "broadcast", "choose_transport", "describe", "new_group", "plan_buckets", "plan_epoch", "plan_packed",
-           "transport_named"]

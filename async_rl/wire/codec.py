@@ -16,7 +16,7 @@ import numpy as np
 import zmq
 from msgspec import Meta
 
-from async_rl.wire.messages import MESSAGE_TYPES, AnyMessage, ArraySpec, Message
+from async_rl.wire.messages import MESSAGE_TYPES, AnyMessage, ArraySpec, Message, WireLimits
 from async_rl.wire.rejects import RejectCounter, WireError, array_ref_rejection, header_rejection, header_reason
 
 SCHEMA = 3
@@ -24,18 +24,6 @@ SCHEMA = 3
 # Byte order is pinned so that mixed-endian hosts would fail loudly, not silently.
 _DTYPES = {"uint8": np.dtype("u1"), "int32": np.dtype("<i4"), "int64": np.dtype("<i8"),
            "float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
-
-
-@dataclass(frozen=True)
-class WireLimits:
-    max_message_bytes: int = 64 << 20
-    max_header_bytes: int = 64 << 10
-    max_dim: int = 1 << 20
-    max_group_size: int = 1024
-    max_tokens: int = 65536
-    # Spans per TraceSpans message: 1024 of the longest name keep the header far below
-    # max_header_bytes; an actor ships at most this many per heartbeat.
-    max_trace_spans: int = 1024
 
 
 class ArrayRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

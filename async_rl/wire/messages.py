@@ -8,7 +8,8 @@ raw frames (see :mod:`.wire`). Rules across fields that a schema cannot state li
 """
 
 import sys
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, NamedTuple, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, NamedTuple, Optional, Sequence, Union
 
 import msgspec
 import numpy as np
@@ -17,9 +18,6 @@ from msgspec import Meta, field
 from async_rl.staleness import group_version
 from async_rl.user_code import REASONS, zero_counts
 from async_rl.run.tracing import ACTOR_SPANS, MAX_TRACE_US, SPAN_ARG_KEYS
-
-if TYPE_CHECKING:  # wire imports this module; avoid the cycle at run time
-    from async_rl.wire.codec import WireLimits
 
 # Log-probabilities are <= 0 in exact arithmetic; float32 log-softmax can land a
 # hair above zero for a near-certain token, so allow a small tolerance.
@@ -32,6 +30,18 @@ Port = Annotated[int, Meta(ge=1, le=65535)]
 # Finite floats: NaN fails every comparison, and +-inf lies beyond the largest double.
 Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
 NonNegative = Annotated[float, Meta(ge=0.0, le=sys.float_info.max)]
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    max_message_bytes: int = 64 << 20
+    max_header_bytes: int = 64 << 10
+    max_dim: int = 1 << 20
+    max_group_size: int = 1024
+    max_tokens: int = 65536
+    # Spans per TraceSpans message: 1024 of the longest name keep the header far below
+    # max_header_bytes; an actor ships at most this many per heartbeat.
+    max_trace_spans: int = 1024
 
 
 class ArraySpec(NamedTuple):
@@ -62,7 +72,7 @@ class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field
 
     KIND: ClassVar[str] = _Tag()  # type: ignore[assignment]
 
-    def check(self, limits: "WireLimits") -> str | None:
+    def check(self, limits: WireLimits) -> str | None:
         """Cross-field rules; return a rejection reason, or None when valid."""
         return None
 
@@ -99,7 +109,7 @@ class WorkGrant(Message, tag="work_grant"):
     groups: list[Count]  # admission indices
     prompt_ids: list[Count]
 
-    def check(self, limits: "WireLimits") -> str | None:
+    def check(self, limits: WireLimits) -> str | None:
         return "shape_mismatch" if len(self.prompt_ids) != len(self.groups) else None
 
 
@@ -128,7 +138,7 @@ class SyncOrder(Message, tag="sync_order"):
     store_port: Port
     version: Count
 
-    def check(self, limits: "WireLimits") -> str | None:
+    def check(self, limits: WireLimits) -> str | None:
         return "bad_value" if self.rank >= self.world_size else None
 
 
@@ -245,7 +255,7 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
                                 self.policy_mask[a:b] if masked else None, *steps))
         return out
 
-    def check(self, limits: "WireLimits") -> str | None:
+    def check(self, limits: WireLimits) -> str | None:
         lengths = self.response_lengths
         g, r = len(lengths), len(self.response_tokens)
         if (
@@ -306,7 +316,7 @@ class EvalResult(Message, tag="eval_result", eq=False):
     truncated: UInt8Matrix  # [n, k]
     reward_errors: list[Count] = field(default_factory=zero_counts)  # as ExperienceGroup's
 
-    def check(self, limits: "WireLimits") -> str | None:
+    def check(self, limits: WireLimits) -> str | None:
         shape = (len(self.prompt_ids), self.rewards.shape[1])
         if self.response_lengths.shape != shape or self.truncated.shape != shape:
             return "shape_mismatch"
@@ -330,7 +340,7 @@ class TraceSpans(Message, tag="trace_spans", eq=False):
     dur_us: Int64Vector  # [n] microseconds
     args: Int64Matrix  # [n, len(tracing.SPAN_ARG_KEYS)], -1 = not set
 
-    def check(self, limits: "WireLimits") -> str | None:
+    def check(self, limits: WireLimits) -> str | None:
         n = len(self.names)
         if self.start_us.shape != (n,) or self.dur_us.shape != (n,) or self.args.shape != (n, len(SPAN_ARG_KEYS)):
             return "shape_mismatch"

@@ -11,18 +11,18 @@ from async_rl.run.metrics import STEP_KEYS
 
 CASES = {
     # choice: (overrides, keys that must appear on every step line)
-    "ppo-naive-drgrpo-minibatches": (["train.ppo.decoupled=false", "train.advantage=drgrpo", "train.minibatches=2",
-                                      "train.ppo.dual_clip=3.0", "train.ppo.eps_high=0.28"],
+    "ppo-naive-drgrpo-minibatches": (["train.loss.decoupled=false", "train.advantage=drgrpo", "train.minibatches=2",
+                                      "train.loss.dual_clip=3.0", "train.loss.eps_high=0.28"],
                                      ["is/clip_frac_low", "is/clip_frac_high", "is/dual_clip_frac"]),
     "ppo-decoupled-rloo-entropy": (["train.advantage=rloo", "train.entropy_coef=0.01", "train.minibatches=2",
                                     "train.agg=seq-mean-token-sum"], ["loss/entropy", "is/capped_frac"]),
-    "opmd-length-norm": (["train.loss=opmd", "train.opmd.length_norm=true", "train.agg=seq-mean-token-mean"],
+    "opmd-length-norm": (["train.loss=opmd", "train.loss.length_norm=true", "train.agg=seq-mean-token-mean"],
                          ["opmd/residual_abs_mean"]),
     "reinforce_pp-kl-reward": (["train.advantage=reinforce_pp", "train.kl.coef=0.05", "train.kl.mode=reward",
                                 "train.kl.estimator=k2"], ["policy/kl_ref"]),
     "remax-kl-loss": (["train.advantage=remax", "train.kl.coef=0.05", "train.kl.estimator=k1"],
                       ["policy/kl_ref", "loss/kl"]),
-    "gae-critic": (["train.advantage=gae", "train.critic.lam=0.9", "train.gamma=0.99", "checkpoint.every=1"],
+    "gae-critic": (["train.advantage=gae", "train.advantage.lam=0.9", "train.advantage.gamma=0.99", "checkpoint.every=1"],
                    ["loss/value", "critic/value_mean", "critic/grad_norm"]),
 }
 

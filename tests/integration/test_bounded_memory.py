@@ -43,7 +43,7 @@ def coordinator_for_model(run_dir: Path, config: dict, model_path: Path, limits:
     from async_rl.actor.engines.torch_engine import TorchEngine
     from async_rl.coordinator.coordinator import Coordinator
     from async_rl.tasks import make_task
-    from async_rl.weight_transfer import WeightBroadcaster
+    from async_rl.weight_transfer.broadcaster import WeightBroadcaster
 
     cfg = build_config({"learner": {"ranks": 1}, "model": {"path": str(model_path), "device": "cpu"}, **config})
     engine = TorchEngine(str(model_path), device=torch.device("cpu"))

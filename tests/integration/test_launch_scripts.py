@@ -16,7 +16,7 @@ def _free_port() -> int:
 
 
 def _descendants(pid: int) -> set[int]:
-    from async_rl.run.runtime import process_tree
+    from async_rl.run.processes import process_tree
 
     return set(process_tree(pid)[1:])
 

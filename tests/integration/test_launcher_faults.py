@@ -14,7 +14,7 @@ from conftest import ROOT, alive, kill_tree, subprocess_env
 from async_rl.config import ConfigError
 from async_rl.run.directory import RunDir
 from async_rl.run.lock import RunLock
-from async_rl.run.runtime import process_tree
+from async_rl.run.processes import process_tree
 
 SMALL = ["train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4", "task.eval_size=32",
          "eval.every=0", "learner.ranks=1"]

@@ -8,7 +8,7 @@ from conftest import read_metrics, train
 def test_a_bf16_run_sends_bf16_weights_and_trains(tmp_path, chat_model):
     run = tmp_path / "run"
     train(run, chat_model, "task.name=word_problems", "learner.precision=bf16", "learner.attention=eager",
-          "actors.dtype=bfloat16", "actors.max_new_tokens=6", "train.max_steps=3", "learner.ranks=1")
+          "actors.engine.dtype=bfloat16", "actors.max_new_tokens=6", "train.max_steps=3", "learner.ranks=1")
     steps, evals = read_metrics(run)
     from transformers import AutoModelForCausalLM
 

@@ -25,7 +25,7 @@ from vllm_models import PROMPTS, learner_like, save_model
 
 from async_rl.actor.engines.torch_engine import TorchEngine
 from async_rl.run.directory import RunDir
-from async_rl.weight_transfer import WeightBroadcaster
+from async_rl.weight_transfer.broadcaster import WeightBroadcaster
 
 pytestmark = pytest.mark.vllm
 

@@ -172,7 +172,7 @@ def test_the_coordinator_sums_counts_into_its_checkpoint_state_and_old_states_me
     from async_rl.config import build_config
     from async_rl.coordinator.coordinator import Coordinator
     from async_rl.tasks import make_task
-    from async_rl.weight_transfer import WeightBroadcaster
+    from async_rl.weight_transfer.broadcaster import WeightBroadcaster
 
     cfg = build_config({"learner": {"ranks": 1}})
     bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",

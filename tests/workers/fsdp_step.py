@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from async_rl.learner.batching import scatter_batch
 from async_rl.config import build_config
 from async_rl.models.critic import ValueModel
-from async_rl.run.runtime import exit_now
+from async_rl.run.processes import exit_now
 from async_rl.learner.sharding import full_parameters, shard_model
 from async_rl.learner.process import shutdown_world
 from async_rl.learner.step import Models, train_step
@@ -76,7 +76,7 @@ def main(out_path: str, variant: str, model_dir: str) -> None:
         with torch.no_grad():  # a reference that differs from the policy, so the KL is not 0
             for p in models.policy.parameters():
                 p.add_(0.05 * torch.ones_like(p))
-    if cfg.train.advantage == "gae":
+    if cfg.train.advantage.name == "gae":
         models.critic = shard_model(ValueModel(model_dir), mesh)
         models.critic_optimizer = torch.optim.SGD(models.critic.parameters(), lr=1.0)
     groups = synthetic_groups(4, 4, seed=1) if rank == 0 else None

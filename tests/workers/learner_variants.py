@@ -14,7 +14,7 @@ from async_rl.config import build_config
 from async_rl.models.critic import ValueModel
 from async_rl.learner.sharding import full_parameters, shard_model
 from async_rl.learner.process import shutdown_world
-from async_rl.run.runtime import exit_now
+from async_rl.run.processes import exit_now
 from async_rl.learner.step import Models, train_step
 from fsdp_step import VARIANTS, init_world, synthetic_groups
 
@@ -47,7 +47,7 @@ def run(name: str, variant: str, opts: dict, model_dir: str, mesh, rank: int, wo
         with torch.no_grad():  # a reference that differs from the policy, so the KL is not 0
             for p in models.policy.parameters():
                 p.add_(0.05 * torch.ones_like(p))
-    if cfg.train.advantage == "gae":
+    if cfg.train.advantage.name == "gae":
         models.critic = shard_model(ValueModel(model_dir), mesh, **shard)
         models.critic_optimizer = torch.optim.SGD(models.critic.parameters(), lr=1.0)
     dtypes = []  # (param, grad) dtypes the optimizer sees: the fp32 master weights

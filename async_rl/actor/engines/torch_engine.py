@@ -107,7 +107,7 @@ class TorchEngine(GenerationEngine):
         self.lora = lora
         base = model
         if lora is not None:
-            from async_rl.lora import with_adapters
+            from async_rl.lora.adapters import with_adapters
 
             model = with_adapters(model, lora)
         self.model = model.to(device=self.device, dtype=dtype).eval()
@@ -160,7 +160,7 @@ class TorchEngine(GenerationEngine):
         if self._folded is not None:
             return self._folded.received
         if self.lora is not None:
-            from async_rl.lora import adapter_parameters
+            from async_rl.lora.adapters import adapter_parameters
 
             return adapter_parameters(self.model)
         return list(self.model.named_parameters())

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from async_rl.actor.engines.base import Completion, GenerationEngine
-from async_rl.weight_transfer import WeightReceiver
+from async_rl.weight_transfer.receiver import WeightReceiver
 from async_rl.weight_transfer.plan import Spec
 from async_rl.weight_transfer.vllm.transport import VLLMWeightReceiver, vllm_backend, wire_dtype
 from async_rl.weight_transfer.vllm.api import require_vllm
@@ -62,7 +62,7 @@ def check_model(config: Any, device: torch.device, max_model_len: int | None) ->
     model's positions."""
     positions = getattr(config, "max_position_embeddings", None)
     if max_model_len is not None and positions is not None and max_model_len > positions:
-        raise VLLMConfigError(f"actors.vllm.max_model_len: {max_model_len} exceeds the model's "
+        raise VLLMConfigError(f"actors.engine.max_model_len: {max_model_len} exceeds the model's "
                               f"max_position_embeddings ({positions})")
     if device.type == "cpu":
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend

@@ -48,7 +48,7 @@ GLOO_BACKEND = "async_rl_gloo"  # vllm_gloo.BACKEND (that module imports vLLM, t
 
 def wire_dtype(vllm_dtype: str) -> torch.dtype:
     """The dtype weights travel in to vLLM actors computing in `vllm_dtype`
-    (actors.vllm.dtype): theirs where it is a 16-bit one (half the bytes of the learner's
+    (actors.engine.dtype): theirs where it is a 16-bit one (half the bytes of the learner's
     float32, cast once on rank 0), else float32 (vLLM casts on load)."""
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(vllm_dtype, torch.float32)
 

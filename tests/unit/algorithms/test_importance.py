@@ -8,7 +8,8 @@ import pytest
 import torch
 from reference_formulas import D, INF, NAN, batch, ref_off_policy
 
-from async_rl.algorithms import EffectiveSampleSize, Mean, StepMetrics, importance_weights, off_policy_figures
+from async_rl.algorithms.importance import EffectiveSampleSize, importance_weights, off_policy_figures
+from async_rl.algorithms.step_metrics import Mean, StepMetrics
 
 
 def values(figures) -> dict[str, float]:

@@ -8,21 +8,26 @@ import pytest
 import torch
 from reference_formulas import AGGS, batch, close
 
-from async_rl.algorithms import (CLIP_FRACTIONS, LOSSES, LossInputs, LossOutput, Mean, agg_denominator, opmd_loss,
-                                 ppo_clip_loss)
+from async_rl.algorithms.losses import CLIP_FRACTIONS, LOSSES, LossInputs, LossOutput
+from async_rl.algorithms.step_metrics import Mean
+from async_rl.algorithms.aggregation import agg_denominator
+from async_rl.algorithms.opmd import opmd_loss
+from async_rl.algorithms.ppo import ppo_clip_loss
 from async_rl.config import build_config
 
 
 def inputs(x, train: dict, seed_adv: bool = True) -> LossInputs:
+    """`train`: a train section, whose loss and agg the loss gets."""
     cfg = build_config({"train": train}).train
-    return LossInputs(x.logp, x.prox, x.behav, x.adv_seq if seed_adv else x.adv_tok, x.mask, x.rewards, x.group, cfg)
+    return LossInputs(x.logp, x.prox, x.behav, x.adv_seq if seed_adv else x.adv_tok, x.mask, x.rewards, x.group,
+                      cfg.loss, cfg.agg)
 
 
 @pytest.mark.parametrize("agg", AGGS)
 def test_ppo_entry_is_ppo_clip_loss_with_the_config(agg):
     x = batch(0)
-    train = {"agg": agg, "ppo": {"eps_low": 0.15, "eps_high": 0.28, "is_cap": 1.5, "dual_clip": 2.0,
-                                 "is_mode": "mask", "log_ratio_clamp": 5.0}}
+    train = {"agg": agg, "loss": {"name": "ppo", "eps_low": 0.15, "eps_high": 0.28, "is_cap": 1.5, "dual_clip": 2.0,
+                                  "is_mode": "mask", "log_ratio_clamp": 5.0}}
     out = LOSSES["ppo"](inputs(x, train))
     loss, stats = ppo_clip_loss(x.logp, x.prox, x.behav, x.adv_seq, x.mask, eps_low=0.15, eps_high=0.28, is_cap=1.5,
                                 agg=agg, dual_clip=2.0, is_mode="mask", log_ratio_clamp=5.0)
@@ -38,7 +43,7 @@ def test_ppo_entry_is_ppo_clip_loss_with_the_config(agg):
 @pytest.mark.parametrize("length_norm", [False, True])
 def test_opmd_entry_is_opmd_loss_with_the_config(length_norm):
     x = batch(1)
-    out = LOSSES["opmd"](inputs(x, {"loss": "opmd", "opmd": {"tau": 0.3, "length_norm": length_norm}}))
+    out = LOSSES["opmd"](inputs(x, {"loss": {"name": "opmd", "tau": 0.3, "length_norm": length_norm}}))
     loss, stats = opmd_loss(x.logp, x.behav, x.mask, x.rewards, x.group, tau=0.3, length_norm=length_norm)
     close(out.loss, loss.detach())
     samples, tokens = x.mask.shape[0], float(x.mask.sum())

@@ -1,7 +1,7 @@
 """DAPO's overlong treatments against hand values (arXiv 2503.14476, section 3.4)."""
 import torch
 
-from async_rl.algorithms import overlong_filter, overlong_penalty
+from async_rl.algorithms.overlong import overlong_filter, overlong_penalty
 
 
 def test_soft_overlong_punishment_hand_values():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from async_rl.algorithms import ADVANTAGES
+from async_rl.algorithms.advantages import ADVANTAGES
 from async_rl.algorithms.advantages import group_advantages, process_advantages
 
 NAN = float("nan")
@@ -46,13 +46,12 @@ def test_positions_outside_the_mask_are_zero_and_a_lone_step_gives_zero():
 def test_the_registry_entry_charges_a_reward_kl_to_the_last_step(kl):
     from types import SimpleNamespace
 
-    from async_rl.algorithms import AdvantageInputs
+    from async_rl.algorithms.advantages import AdvantageInputs
 
     steps = torch.tensor([[1.0, NAN, 0.0], [NAN, 1.0, NAN]])
     mask = torch.ones(2, 3)
-    train = SimpleNamespace(kl=SimpleNamespace(coef=0.1))
-    x = AdvantageInputs(torch.tensor([1.0, 1.0]), mask, torch.tensor([0, 0]), torch.full((2,), NAN), train,
-                        kl=kl, step_rewards=steps)
+    x = AdvantageInputs(torch.tensor([1.0, 1.0]), mask, torch.tensor([0, 0]), torch.full((2,), NAN),
+                        SimpleNamespace(name="grpo_process"), 0.1, kl=kl, step_rewards=steps)
     expected_steps = steps if kl is None else torch.tensor([[1.0, NAN, 0.0 - 0.1], [NAN, 1.0 - 0.1, NAN]])
     torch.testing.assert_close(ADVANTAGES["grpo_process"](x).advantages,
                                process_advantages(expected_steps, mask, torch.tensor([0, 0])))

@@ -33,18 +33,10 @@ from reference_formulas import (
     t,
 )
 
-from async_rl.algorithms import (
-    discounted_returns,
-    gae_advantages,
-    group_advantages,
-    kl_estimate,
-    masked_whiten,
-    reinforce_pp_advantages,
-    remax_advantages,
-    token_entropy,
-    token_rewards,
-    value_loss,
-)
+from async_rl.algorithms.advantages import discounted_returns, group_advantages, masked_whiten, reinforce_pp_advantages, remax_advantages, token_rewards
+from async_rl.algorithms.gae import gae_advantages, value_loss
+from async_rl.algorithms.kl import kl_estimate
+from async_rl.algorithms.entropy import token_entropy
 
 
 # ============================================================== group / ReMax advantages

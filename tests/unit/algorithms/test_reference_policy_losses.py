@@ -33,7 +33,10 @@ from reference_formulas import (
     t,
 )
 
-from async_rl.algorithms import LOSSES, off_policy_figures, opmd_loss, ppo_clip_loss
+from async_rl.algorithms.losses import LOSSES
+from async_rl.algorithms.importance import off_policy_figures
+from async_rl.algorithms.opmd import opmd_loss
+from async_rl.algorithms.ppo import ppo_clip_loss
 
 
 # ============================================================== PPO

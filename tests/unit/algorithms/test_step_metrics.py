@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from async_rl.algorithms import Count, EffectiveSampleSize, Mean, StepMetrics
+from async_rl.algorithms.step_metrics import Count, Mean, StepMetrics
+from async_rl.algorithms.importance import EffectiveSampleSize
 
 
 def ranks(*metrics: StepMetrics) -> list[dict[str, float]]:

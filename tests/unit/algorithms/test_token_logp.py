@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from async_rl.algorithms import chosen_logp
+from async_rl.algorithms.token_logp import chosen_logp
 from async_rl.algorithms import token_logp
 
 

@@ -188,7 +188,7 @@ def test_membership_change_brings_up_to_date_actors_into_the_new_group(hub):
     import threading
 
     from async_rl.wire import SyncDone, SyncOrder
-    from async_rl.weight_transfer import WeightReceiver
+    from async_rl.weight_transfer.receiver import WeightReceiver
 
     coord, ctx, _ = hub
     coord.advance(1)

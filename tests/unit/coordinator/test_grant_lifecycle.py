@@ -13,7 +13,7 @@ from async_rl.config import build_config
 from async_rl.coordinator.coordinator import Coordinator
 from async_rl.tasks import make_task
 from async_rl.wire import ExperienceGroup, Hello, WorkRequest, encode
-from async_rl.weight_transfer import WeightBroadcaster
+from async_rl.weight_transfer.broadcaster import WeightBroadcaster
 
 G, B = 2, 4
 

@@ -12,5 +12,7 @@ from async_rl.config import build_config
     ("linear", 4, 0.1 + 0.9 * 0.8), ("linear", 12, 0.1), ("constant", 9, 1.0),
 ])
 def test_warmup_then_decay_to_the_floor(schedule, step, want):
-    cfg = build_config({"train": {"lr_schedule": schedule, "warmup_steps": 2, "max_steps": 12, "lr_min_ratio": 0.1}})
-    assert lr_factor(cfg, step) == pytest.approx(want, abs=1e-12)
+    train = build_config({"train": {"lr_schedule": {"name": schedule, "warmup_steps": 2,
+                                                    **({} if schedule == "constant" else {"min_ratio": 0.1})},
+                                    "max_steps": 12}}).train
+    assert lr_factor(train.lr_schedule, train.max_steps, step) == pytest.approx(want, abs=1e-12)

@@ -55,7 +55,7 @@ def test_step_logs_the_algorithms_diagnostics(world, model_dir, variant):
     models = Models(policy, torch.optim.SGD(policy.parameters(), lr=0.1))
     if cfg.train.kl.coef > 0:
         models.reference = LlamaForCausalLM.from_pretrained(model_dir).requires_grad_(False)
-    if cfg.train.advantage == "gae":
+    if cfg.train.advantage.name == "gae":
         models.critic = ValueModel(str(model_dir))
         models.critic_optimizer = torch.optim.SGD(models.critic.parameters(), lr=0.1)
     batch = build_batch(synthetic_groups(4, 4, seed=1), pad_id=0)

@@ -11,10 +11,11 @@ from transformers import AutoModelForCausalLM
 
 peft = pytest.importorskip("peft")
 
-from async_rl.config import LoraConfig  # noqa: E402
+from async_rl.lora.config import LoraConfig  # noqa: E402
 from async_rl.actor.engines.torch_engine import TorchEngine  # noqa: E402
-from async_rl.lora import adapter_parameters, base_only, check_targets, is_adapter, save_adapter, with_adapters  # noqa: E402
-from async_rl.weight_transfer import WeightBroadcaster, WeightReceiver  # noqa: E402
+from async_rl.lora.adapters import adapter_parameters, base_only, check_targets, is_adapter, save_adapter, with_adapters  # noqa: E402
+from async_rl.weight_transfer.broadcaster import WeightBroadcaster  # noqa: E402
+from async_rl.weight_transfer.receiver import WeightReceiver
 from conftest import wait_for_job  # noqa: E402
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])

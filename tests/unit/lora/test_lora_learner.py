@@ -11,7 +11,7 @@ pytest.importorskip("peft")
 from async_rl.learner.batching import build_batch  # noqa: E402
 from async_rl.learner.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from async_rl.config import build_config  # noqa: E402
-from async_rl.lora import is_adapter  # noqa: E402
+from async_rl.lora.adapters import is_adapter  # noqa: E402
 from async_rl.learner.sharding import build_models, full_parameters  # noqa: E402
 from async_rl.learner.step import train_step  # noqa: E402
 from workers.fsdp_step import synthetic_groups  # noqa: E402
@@ -82,5 +82,5 @@ def test_the_other_losses_and_the_critic_train_the_adapters(one_rank_mesh, model
     assert all(torch.isfinite(torch.tensor(v)) for s in stats for v in s.values())
     assert all(torch.equal(value, before[name]) for name, value in after.items() if not is_adapter(name))
     assert any(not torch.equal(value, before[name]) for name, value in after.items() if is_adapter(name))
-    if cfg.train.advantage == "gae":  # the critic is a model of its own, fully trained
+    if cfg.train.advantage.name == "gae":  # the critic is a model of its own, fully trained
         assert models.critic is not None and "loss/value" in stats[-1]

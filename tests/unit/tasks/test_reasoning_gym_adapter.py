@@ -80,7 +80,7 @@ def test_bad_datasets_and_options_are_one_line(options, message):
 
 @pytest.mark.parametrize("overrides, key", [
     (["task.name=reasoning_gym"], "task.dataset: required"),
-    (["task.name=reasoning_gym", "task.dataset=leg_counting", "task.reward=exact_match"], "task.reward: reasoning_gym"),
+    (["task.name=reasoning_gym", "task.dataset=leg_counting", "task.reward=exact_match"], "task.reward: unknown key for task.name=reasoning_gym"),
 ])
 def test_config_refuses_what_the_task_cannot_use(overrides, key):
     with pytest.raises(ConfigError, match=key):

@@ -206,7 +206,7 @@ def test_jsonl_file_errors(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from async_rl.models import build_demo_model
+    from async_rl.models.demo import build_demo_model
 
     # Seed 1 is among the quicker warm starts measured (~300 steps).
     return build_demo_model(tmp_path_factory.mktemp("demo") / "model", seed=1)
@@ -233,7 +233,7 @@ def test_demo_model_loads_and_tokenizes(demo_dir: Path) -> None:
 def test_demo_model_warm_start_accuracy(demo_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from async_rl.models import answer_statistics, greedy_accuracy
+    from async_rl.models.demo import answer_statistics, greedy_accuracy
 
     model = AutoModelForCausalLM.from_pretrained(demo_dir).eval()
     tok = AutoTokenizer.from_pretrained(demo_dir)
@@ -251,7 +251,7 @@ def test_demo_model_warm_start_accuracy(demo_dir: Path) -> None:
 
 
 def test_demo_warm_start_is_deterministic(tmp_path: Path) -> None:
-    from async_rl.models import build_demo_model
+    from async_rl.models.demo import build_demo_model
 
     # A target of 0 stops at the first check: cheap, yet covers init + training.
     kwargs = dict(seed=5, target_accuracy=0.0, min_mixed_fraction=0.0, check_every=3)

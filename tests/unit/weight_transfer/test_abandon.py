@@ -7,7 +7,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from async_rl.weight_transfer import SyncAbandoned
+from async_rl.weight_transfer.errors import SyncAbandoned
 from async_rl.weight_transfer.abandon import mark_abandoned, member_gives_up, run_abandonable
 
 

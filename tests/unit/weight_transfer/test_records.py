@@ -7,7 +7,8 @@ import msgspec
 import pytest
 import torch.distributed as dist
 
-from async_rl.weight_transfer import SyncAbandoned, handshake
+from async_rl.weight_transfer.errors import SyncAbandoned
+from async_rl.weight_transfer import handshake
 from async_rl.weight_transfer.records import (Abandon, Arrival, Decision, Go, Group, IpcOrder, LearnerInfo, decision_key,
                                           decode, encode)
 

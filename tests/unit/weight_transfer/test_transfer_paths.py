@@ -14,7 +14,11 @@ from conftest import wait_for_job
 
 from async_rl.config import ConfigError, build_config
 from async_rl.actor.engines.torch_engine import TorchEngine
-from async_rl.weight_transfer import SyncAbandoned, WeightBroadcaster, WeightReceiver, choose_transport, cuda_ipc
+from async_rl.weight_transfer.errors import SyncAbandoned
+from async_rl.weight_transfer.broadcaster import WeightBroadcaster
+from async_rl.weight_transfer.receiver import WeightReceiver
+from async_rl.weight_transfer.transports import choose_transport
+from async_rl.weight_transfer import cuda_ipc
 from async_rl.weight_transfer.gloo_chain import chained
 from async_rl.weight_transfer.plan import plan_buckets
 from async_rl.weight_transfer.records import IpcBucket, LearnerInfo, decode, encode
@@ -56,7 +60,7 @@ def test_receiver_makes_parameters_views_of_its_buckets_without_changing_the_mod
 
 
 def test_a_bf16_engine_receives_the_float32_learners_weights_in_bf16():
-    """actors.dtype=bfloat16: the learner publishes its float32 weights as bf16 (the copy
+    """actors.engine.dtype=bfloat16: the learner publishes its float32 weights as bf16 (the copy
     into the buckets casts them), half the bytes, and the engine computes with them."""
     source = list(tiny_tied_llama(1).named_parameters())
     engine = TorchEngine(tiny_tied_llama(0), eos_token_id=None, dtype=torch.bfloat16)

@@ -22,7 +22,9 @@ import transformers
 from async_rl.config import ConfigError, build_config
 from async_rl.actor.engines import make_engine
 from async_rl.actor.engines.vllm_engine import completion_from_output, hf_parameter_specs, sampled_logprobs, token_versions
-from async_rl.weight_transfer import EpochRejected, plan_epoch, plan_packed
+from async_rl.weight_transfer.errors import EpochRejected
+from async_rl.weight_transfer.epochs import plan_epoch
+from async_rl.weight_transfer.plan import plan_packed
 from async_rl.weight_transfer.vllm import transport as vllm_transport
 from async_rl.weight_transfer.vllm import api as vllm_api
 from async_rl.weight_transfer.vllm import nccl_group as vllm_nccl
@@ -117,16 +119,16 @@ def test_transformers_outside_the_range_vllm_declares(monkeypatch: pytest.Monkey
 
 def test_config_vllm_actors_on_either_device_but_only_vllms_transport() -> None:
     for device in ("cpu", "cuda", "auto"):
-        assert build_config({"actors": {"engine": "vllm"}, "model": {"device": device}}).actors.engine == "vllm"
+        assert build_config({"actors": {"engine": "vllm"}, "model": {"device": device}}).actors.engine.name == "vllm"
     with pytest.raises(ConfigError, match=r"^sync\.transport: gloo cannot reach vLLM actors"):
         build_config({"actors": {"engine": "vllm"}, "sync": {"transport": "gloo"}})
-    cfg = build_config({"actors": {"engine": "vllm", "vllm": {"dtype": "bfloat16", "kv_cache_gb": 0.5}},
+    cfg = build_config({"actors": {"engine": {"name": "vllm", "dtype": "bfloat16", "kv_cache_gb": 0.5}},
                         "sync": {"in_flight": True}})
-    assert cfg.actors.vllm.dtype == "bfloat16" and cfg.sync.in_flight
-    with pytest.raises(ConfigError, match=r"^actors\.vllm\.dtype: "):
-        build_config({"actors": {"vllm": {"dtype": "int8"}}})
-    with pytest.raises(ConfigError, match=r"^actors\.vllm\.kv_cache_gb: "):
-        build_config({"actors": {"vllm": {"kv_cache_gb": 0}}})
+    assert cfg.actors.engine.dtype == "bfloat16" and cfg.sync.in_flight
+    with pytest.raises(ConfigError, match=r"^actors\.engine\.dtype: "):
+        build_config({"actors": {"engine": {"name": "vllm", "dtype": "int8"}}})
+    with pytest.raises(ConfigError, match=r"^actors\.engine\.kv_cache_gb: "):
+        build_config({"actors": {"engine": {"name": "vllm", "kv_cache_gb": 0}}})
 
 
 # ------------------------------------------------------- SyncOrder -> vLLM

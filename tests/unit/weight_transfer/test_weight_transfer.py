@@ -7,7 +7,11 @@ import pytest
 import torch
 from conftest import wait_for_job
 
-from async_rl.weight_transfer import SyncAbandoned, WeightBroadcaster, WeightReceiver, gloo_chain, plan_buckets
+from async_rl.weight_transfer.errors import SyncAbandoned
+from async_rl.weight_transfer.broadcaster import WeightBroadcaster
+from async_rl.weight_transfer.receiver import WeightReceiver
+from async_rl.weight_transfer import gloo_chain
+from async_rl.weight_transfer.plan import plan_buckets
 from async_rl.weight_transfer.collective import CollectiveReceiver, CollectiveSender
 from async_rl.weight_transfer.gloo_chain import chained
 from async_rl.weight_transfer.nccl import NcclReceiver, NcclSender

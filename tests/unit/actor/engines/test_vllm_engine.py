@@ -20,7 +20,7 @@ from async_rl.algorithms.kl import kl_estimate
 from async_rl.actor.engines import make_engine
 from async_rl.actor.engines.torch_engine import TorchEngine, process_logits
 from async_rl.models.demo import build_tokenizer
-from async_rl.weight_transfer import WeightBroadcaster
+from async_rl.weight_transfer.broadcaster import WeightBroadcaster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -322,8 +322,8 @@ def lora_actor(model_dir: str, conn) -> None:
     after an adapter-only sync, against the learner's merged model."""
     import copy
 
-    from async_rl.config import LoraConfig
-    from async_rl.lora import adapter_parameters, with_adapters
+    from async_rl.lora.config import LoraConfig
+    from async_rl.lora.adapters import adapter_parameters, with_adapters
 
     torch.set_num_threads(1)
     lora = LoraConfig(rank=8, alpha=16.0)

@@ -1,0 +1,47 @@
+"""The actors' sections: how many, which engine, how they sample, and how user reward
+code is guarded."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from async_rl.config.section import Section, choice
+
+
+class TorchEngineConfig(Section):
+    name: Literal["torch"] = "torch"
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weights and compute of the torch engine (bfloat16: weights also travel in it).")
+
+
+class VLLMEngineConfig(Section):
+    name: Literal["vllm"] = "vllm"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("float32", description="vLLM's compute dtype (16-bit ones also carry the weights); `auto` = the model's.")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + response vLLM accepts (null = the model's positions).")
+    kv_cache_gb: float = Field(1.0, gt=0.0, description="CPU: KV-cache memory per actor, in GiB.")
+    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="GPU: the share of its memory vLLM may take.")
+    enforce_eager: bool = Field(True, description="Run the model eagerly; false lets vLLM compile it (slower start, faster decoding).")
+
+
+EngineConfig = choice(TorchEngineConfig, VLLMEngineConfig, default=TorchEngineConfig)
+
+
+class ActorsConfig(Section):
+    count: int = Field(1, ge=1, le=256, description="Actor processes `async-rl train` starts.")
+    engine: EngineConfig = Field(default_factory=TorchEngineConfig, description="Generation engine: `torch` (any model, any device) or `vllm`.")
+    groups_per_request: int = Field(8, ge=1, description="Prompt groups an actor asks for, and generates as one batch.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (recorded log-probs are tempered too).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    max_new_tokens: int = Field(8, ge=1, description="Response length limit; a response cut there is flagged truncated.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings (the model's EOS ids always stop a response).")
+    threads: int = Field(1, ge=1, description="torch intra-op threads per actor (CPU).")
+    heartbeat_s: float = Field(1.0, gt=0.0, description="Seconds between an actor's heartbeats.")
+    heartbeat_timeout_s: float = Field(30.0, gt=0.0, description="An actor silent this long is declared dead.")
+    max_restarts: int = Field(3, ge=0, description="Restarts of a local actor that exits unexpectedly (0 = never).")
+    connect_timeout_s: float = Field(60.0, gt=0.0, description="How long an actor retries a hub that does not answer.")
+
+
+class RewardConfig(Section):
+    timeout_s: float = Field(10.0, gt=0.0, description="A reward call running longer is stopped and scored reward.fallback.")
+    fallback: float = Field(0.0, allow_inf_nan=False, description="The reward of a response whose reward call failed (counted by reason).")
+    max_error_frac: float = Field(0.5, ge=0.0, le=1.0, description="A step with more samples scored reward.fallback stops the run (exit 4).")

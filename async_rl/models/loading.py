@@ -1,0 +1,25 @@
+"""Loading Hugging Face models and tokenizers the way every role does."""
+from __future__ import annotations
+
+
+def quiet_libraries() -> None:
+    """Per-load progress bars from transformers would drown the run's own progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def preload_model_libraries() -> None:
+    """Import transformers' model and tokenizer machinery now, seconds of imports that
+    loading a model would otherwise do: an actor started alongside its learner does it
+    while the learner starts up, not after joining."""
+    import importlib
+
+    for module in ("modeling_utils", "models.auto.modeling_auto", "models.auto.tokenization_auto"):
+        importlib.import_module(f"transformers.{module}")
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,11 @@
+"""The metrics section: what the run directory's logs show besides the figures."""
+from __future__ import annotations
+
+from pydantic import Field
+
+from async_rl.config.section import Section
+
+
+class MetricsConfig(Section):
+    text_every: int = Field(10, ge=0, description="A few generations to TensorBoard's text tab every this many steps (0 = never).")
+    warn_after_steps: int = Field(10, ge=1, description="Warn once when a run has had nothing to learn from this many steps in a row.")
