@@ -222,8 +222,10 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
     from torch.distributed.device_mesh import init_device_mesh
 
     from async_rl.config import build_config
-    from async_rl.learner.sharding import adamw, shard_model
-    from async_rl.learner.step import Models, micro_batch_plan, train_step
+    from async_rl.learner.models import Models
+    from async_rl.learner.optimizer import adamw
+    from async_rl.learner.sharding import shard_model
+    from async_rl.learner.step import micro_batch_plan, train_step
 
     mcfg = model_config(args)
     groups = synthetic_groups(args, mcfg.vocab_size)

@@ -1,7 +1,8 @@
 """The learner's process: what `torchrun ... -m async_rl.learner` runs on each rank.
 
 Sets the process up (dies with torchrun, holds the run directory's lock when no
-launcher does, joins the torchrun world), runs `Learner.run`, and turns a failure into
+launcher does, joins the torchrun world), builds the every-rank trainer and, on rank 0,
+the services beside it, runs the loop (loop.py), and turns a failure into
 its reason and traceback in RUN_DIR/logs/learner-rankN.err, the reason in status.json
 (rank 0), and one console line. Under `async-rl train` (ASYNC_RL_LAUNCHER set) the
 console line is the launcher's, naming the root cause among the ranks' failures
@@ -14,6 +15,7 @@ import faulthandler
 import logging
 import os
 import signal
+import threading
 import sys
 from pathlib import Path
 
@@ -26,7 +28,9 @@ from async_rl.run.status import EXIT_CONFIG, LAUNCHER_ENV, write_status
 from async_rl.run.processes import die_with_parent
 from async_rl.models.loading import quiet_libraries
 from async_rl.device import resolve_device, collective_backend
-from async_rl.learner.trainer import Learner
+from async_rl.learner.loop import Loop
+from async_rl.learner.services import Followers, Rank0Services
+from async_rl.learner.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,17 +88,22 @@ def _train(cfg: Config, resume: Path | None) -> int:
     device = resolve_device(cfg.model.device)  # this rank's GPU, now that it is the current one
     torch.set_num_threads(cfg.learner.threads)
     dist.init_process_group(backend=collective_backend(device), timeout=datetime.timedelta(seconds=cfg.learner.timeout_s))
-    learner = Learner(cfg, resume)
+    trainer = Trainer(cfg, device)
+    resumed = trainer.resume(resume) if resume else None
+    services = Rank0Services(cfg, trainer, resumed, resume) if trainer.rank == 0 else Followers()
+    stop_event = threading.Event()
 
     def request_stop(signum, _frame):
-        learner.stop_event.set()
+        stop_event.set()
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGHUP, request_stop)
-    code = learner.run()
+    stop = Loop(cfg, trainer, services, stop_event).run()
+    if trainer.rank == 0:
+        write_status(Path(cfg.run_dir), *stop)
     shutdown_world()
-    return code
+    return 0  # every rank: torchrun turns a worker's nonzero exit into its own error report
 
 
 def shutdown_world() -> None:

@@ -1,6 +1,6 @@
-"""The learner's models under FSDP2: loading, sharding (mixed precision, activation
-checkpointing) and gathering full parameters back, shared by the learner role, the
-benchmarks and the test workers."""
+"""FSDP2 for the learner's models: sharding (mixed precision, activation checkpointing)
+and gathering full parameters back, shared by the learner, the benchmarks and the test
+workers."""
 from __future__ import annotations
 
 import logging
@@ -9,9 +9,6 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from async_rl.config import Config
-from async_rl.learner.packing import attention_kind, packing_error, shares_prompt
-from async_rl.learner.step import Models
 
 log = logging.getLogger("async_rl.learner")
 
@@ -50,12 +47,6 @@ def shard_model(model: torch.nn.Module, mesh, *, precision: str = "fp32",
     return model
 
 
-def adamw(params, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW with torch's fused kernel (one pass over each parameter's state instead of
-    the foreach implementation's several), on CPU and CUDA alike; the same update rule."""
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
-
-
 def full_parameters(model: torch.nn.Module, keep=None):
     """Yield (name, full tensor) one parameter at a time (those whose name `keep` accepts,
     when given); a collective on every rank."""
@@ -64,53 +55,3 @@ def full_parameters(model: torch.nn.Module, keep=None):
             continue
         full = param.full_tensor() if isinstance(param, DTensor) else param
         yield name, full.detach()
-
-
-def build_models(cfg: Config, device: torch.device, mesh) -> Models:
-    """Policy (+ frozen reference for KL, + critic for GAE), each sharded with FSDP2."""
-    from transformers import AutoModelForCausalLM
-
-    def load_policy():
-        kernel = {"attn_implementation": cfg.learner.attention} if cfg.learner.attention else {}
-        return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, **kernel).to(device)
-
-    lc = cfg.learner
-    policy = load_policy()
-    # Deterministic and identical on every rank (same weights, same inputs): all agree.
-    if lc.pack and lc.share_prompt and not shares_prompt(policy):
-        log.info("learner.share_prompt: %s attention takes no custom mask; packing without shared prompts",
-                 attention_kind(policy))
-        cfg.learner.share_prompt = False
-    if lc.pack and lc.share_prompt:
-        error = packing_error(policy, shared=True)
-        if error > 1e-4:
-            log.warning("learner.share_prompt: %s does not reproduce its padded logits with shared prompts (max "
-                        "difference %.2g); packing without sharing", type(policy).__name__, error)
-            cfg.learner.share_prompt = False
-    if lc.pack and not lc.share_prompt:
-        error = packing_error(policy)
-        if error > 1e-4:
-            log.warning("learner.pack: %s does not reproduce its padded logits when packed (max difference %.2g); "
-                        "training with padded micro-batches", type(policy).__name__, error)
-            cfg.learner.pack = False
-    lora = cfg.model.lora.rank > 0
-    if lora:
-        from async_rl.lora.adapters import with_adapters
-
-        policy = with_adapters(policy, cfg.model.lora)
-    policy = shard_model(policy, mesh, precision=lc.precision,
-                         activation_checkpointing=lc.activation_checkpointing)
-    trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    models = Models(policy, adamw(trained, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay))
-    if cfg.train.kl.coef > 0 and lora:
-        models.reference_is_base = True  # the policy computing its base (lora.base_only): no second model
-    elif cfg.train.kl.coef > 0:  # no backward through the reference: nothing to checkpoint
-        models.reference = shard_model(load_policy().requires_grad_(False).eval(), mesh, precision=lc.precision)
-    if cfg.train.advantage.name == "gae":
-        from async_rl.models.critic import ValueModel
-
-        models.critic = shard_model(ValueModel(cfg.model.path).to(device), mesh, precision=lc.precision,
-                                    activation_checkpointing=lc.activation_checkpointing)
-        models.critic_optimizer = adamw(models.critic.parameters(), lr=cfg.train.advantage.critic_lr,
-                                        weight_decay=cfg.train.weight_decay)
-    return models

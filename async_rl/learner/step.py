@@ -44,19 +44,10 @@ from async_rl.algorithms.losses import LOSSES, LossInputs
 from async_rl.algorithms.step_metrics import Count, Mean, StepMetrics
 from async_rl.algorithms.normalization import Shares, Units, backward_share
 from async_rl.learner.batching import Batch
+from async_rl.learner.models import Models
 from async_rl.config import Config
 
 Micro = tuple[int, int]  # a micro-batch: [start, stop) rows of whole groups
-
-
-@dataclass
-class Models:
-    policy: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    reference: torch.nn.Module | None = None  # frozen initial policy, when train.kl.coef > 0
-    critic: torch.nn.Module | None = None  # value model, when train.advantage = gae
-    critic_optimizer: torch.optim.Optimizer | None = None
-    reference_is_base: bool = False  # LoRA: the reference is the policy with its adapters disabled
 
 
 def forward_logp(model, batch: Batch, temperature: float, entropy: bool = False, entropy_grad: bool = False,

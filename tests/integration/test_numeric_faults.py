@@ -16,7 +16,7 @@ def test_repeated_non_finite_steps_stop_the_run_with_weights_intact(tmp_path, de
     run = tmp_path / "faulty"
     cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run}",
            f"model.path={demo_model}", "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4",
-           "task.eval_size=32", "train.max_steps=50", "train.max_skipped_steps=3", "train.loss=opmd",
+           "eval.size=32", "train.max_steps=50", "train.max_skipped_steps=3", "train.loss=opmd",
            "task.name=jsonl", f"task.train_path={data}", "task.reward=fault_rewards:overflowing"]
     env = subprocess_env()
     env["PYTHONPATH"] += f"{os.pathsep}{ROOT / 'tests' / 'integration'}"  # the actors import the reward from tests/integration/

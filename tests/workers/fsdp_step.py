@@ -15,7 +15,8 @@ from async_rl.models.critic import ValueModel
 from async_rl.run.processes import exit_now
 from async_rl.learner.sharding import full_parameters, shard_model
 from async_rl.learner.process import shutdown_world
-from async_rl.learner.step import Models, train_step
+from async_rl.learner.models import Models
+from async_rl.learner.step import train_step
 from async_rl.wire import ExperienceGroup, Response
 
 # Named variants of the train section; each exercises a different cross-rank path.
@@ -24,13 +25,13 @@ VARIANTS = {
     # the second rank's groups all scored alike: it trains nothing and must still run as
     # many forwards and backwards as the first rank (learner.skip_zero_advantage)
     "ppo-flat": {"loss": "ppo"},
-    "opmd": {"loss": "opmd", "opmd": {"length_norm": True}},
+    "opmd": {"loss": {"name": "opmd", "length_norm": True}},
     # global whitening all-reduces its moments; KL in the reward needs the reference model
     "reinforce_pp": {"loss": "ppo", "advantage": "reinforce_pp", "minibatches": 2,
                      "kl": {"coef": 0.1, "estimator": "k2", "mode": "reward"}},
     # critic sharded too; KL in the loss, entropy bonus, per-sequence aggregation
-    "gae": {"loss": "ppo", "advantage": "gae", "agg": "seq-mean-token-sum", "entropy_coef": 0.01,
-            "kl": {"coef": 0.1, "estimator": "k3", "mode": "loss"}, "ppo": {"dual_clip": 3.0}},
+    "gae": {"loss": {"name": "ppo", "dual_clip": 3.0}, "advantage": "gae", "agg": "seq-mean-token-sum",
+            "entropy_coef": 0.01, "kl": {"coef": 0.1, "estimator": "k3", "mode": "loss"}},
 }
 
 

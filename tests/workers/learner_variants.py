@@ -15,7 +15,8 @@ from async_rl.models.critic import ValueModel
 from async_rl.learner.sharding import full_parameters, shard_model
 from async_rl.learner.process import shutdown_world
 from async_rl.run.processes import exit_now
-from async_rl.learner.step import Models, train_step
+from async_rl.learner.models import Models
+from async_rl.learner.step import train_step
 from fsdp_step import VARIANTS, init_world, synthetic_groups
 
 PACKED = {"pack": True, "micro_batch_tokens": 40}  # a token budget: micro-batches of 1-3 groups

@@ -6,7 +6,8 @@ import torch
 
 from async_rl.learner.batching import build_batch
 from async_rl.config import build_config
-from async_rl.learner.sharding import build_models, full_parameters
+from async_rl.learner.models import build_models
+from async_rl.learner.sharding import full_parameters
 from async_rl.learner.step import train_step
 from workers.fsdp_step import synthetic_groups
 

@@ -14,7 +14,8 @@ from transformers import LlamaForCausalLM
 from async_rl.learner.batching import build_batch
 from async_rl.config import build_config
 from async_rl.models.critic import ValueModel
-from async_rl.learner.step import Models, train_step
+from async_rl.learner.models import Models
+from async_rl.learner.step import train_step
 from workers.fsdp_step import synthetic_groups
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

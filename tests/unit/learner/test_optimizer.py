@@ -1,7 +1,7 @@
 """The learning-rate schedule against hand-computed values."""
 import pytest
 
-from async_rl.learner.schedule import lr_factor
+from async_rl.learner.optimizer import lr_factor
 from async_rl.config import build_config
 
 
