@@ -100,19 +100,16 @@ def run_variant(args) -> dict:
 def rollout_path(cfg, task, prompt_format, args):
     """A function (engine, generator) -> (tokens, samples) that runs one work grant of
     the config's first --prompts training prompts through the actors' sample-making path."""
-    from async_rl.actor.process import rollout
-    from async_rl.tasks import PromptIndex
-    from async_rl.wire import WorkGrant
-    from async_rl.wire.codec import decode
+    from async_rl.actor.rollout.rollout import Rollout
+    from async_rl.wire import WorkGrant, decode, encode
 
     cfg.train.group_size, cfg.actors.max_new_tokens, cfg.actors.temperature = args.n, args.max_new_tokens, \
         args.temperature
     grant = WorkGrant(groups=list(range(args.prompts)), prompt_ids=list(range(args.prompts)))
-    prompts = PromptIndex(task)
 
     def run(engine, generator):
-        groups = [decode(frames) for frames in rollout(engine, prompt_format, task, prompts, cfg, grant, 0,
-                                                        generator)]
+        rollout = Rollout.from_config(cfg, engine, prompt_format, task, generator)
+        groups = [decode(encode(g)) for g in rollout.experience(grant, actor_id=0)]  # as an actor pushes them
         return sum(int(g.response_lengths.sum()) for g in groups), sum(len(g.response_lengths) for g in groups)
 
     return run
@@ -155,7 +152,7 @@ def main(argv=None) -> int:
               f"({min(r['calls_tokens_per_s']):.0f}-{max(r['calls_tokens_per_s']):.0f}), "
               f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x {base['engine']}:{base['dtype']}, "
               f"start {r['init_s']:.0f} s, peak RSS {r['peak_rss_gb']:.2f} GiB"
-              + (f", {r['samples_per_s']:.0f} samples/s" if r["path"] == "rollout" else ""))
+              + (f", {r['samples_per_s']:.1f} samples/s" if r["path"] == "rollout" else ""))
     return 0
 
 

@@ -20,7 +20,7 @@ process with --trl-threads torch threads. Both train on the same prompts in the 
 order (task.train_prompt(0), (1), ...) rendered the same way (the chat template when the
 config uses one; peer_trl.py checks the token ids), score them with the task's own reward
 on the decoded completion without special tokens, and evaluate greedily on the first
-eval.size held-out prompts with the same code (async_rl.coordinator.eval_rounds.score_prompts) every
+eval.size held-out prompts with the same code (async_rl.actor.rollout.rollout.Rollout.scores) every
 --eval-every steps and at step 0. A run stops at the first evaluation after step 0 that
 reaches --target (async-rl by SIGTERM, its checkpoint written after the measurement) or
 at --max-steps.

@@ -32,14 +32,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
 
-    from async_rl.config import ConfigError, load_config
     from async_rl.actor.engines import make_engine
-    from async_rl.coordinator.eval_rounds import score_prompts, summarize
-    from async_rl.tasks.prompt_format import stop_token_ids
-    from async_rl.tasks.prompt_format import prompt_format_for
-    from async_rl.tasks import task_from_config
+    from async_rl.actor.rollout.rollout import Rollout, Scores
+    from async_rl.config import ConfigError, load_config
+    from async_rl.coordinator.eval_rounds import summarize
     from async_rl.models.loading import quiet_libraries
-    from async_rl.user_code import REASONS, RewardGuard
+    from async_rl.tasks import task_from_config
+    from async_rl.tasks.prompt_format import prompt_format_for, stop_token_ids
+    from async_rl.wire.messages import FAILURE_REASONS
 
     try:
         cfg = load_config(args.config, [*args.overrides, f"model.path={args.model}"])
@@ -54,33 +54,24 @@ def main(argv=None) -> int:
         stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
     engine = make_engine("torch", model_or_path=args.model, device=torch.device("cpu"), **stops)
     task = task_from_config(cfg.task, cfg.seed)
-    guard = RewardGuard.for_task(task, cfg)
     e = cfg.eval
     prompts = task.eval_prompts()[:e.size]
     max_new = e.max_new_tokens or cfg.actors.max_new_tokens
-    generator = torch.Generator().manual_seed(cfg.seed)
-    # The responses themselves, for --show: the reward is called once per sample, in order.
-    shown: list[str] = []
-
-    def reward(prompt, response, answer):
-        if len(shown) < args.show * e.pass_k:
-            shown.append(response)
-        return guard(prompt, response, answer)
-
+    # An actor's evaluation, chunk by chunk: episodes, the guarded reward, the same limits.
+    rollout = Rollout.from_config(cfg, engine, prompt_format, task, torch.Generator().manual_seed(cfg.seed))
     started = time.perf_counter()
-    parts = [score_prompts(engine, prompt_format, task, prompts[i:i + e.batch_size], samples=e.pass_k,
-                           max_new_tokens=max_new, temperature=e.temperature, generator=generator, reward=reward)
-             for i in range(0, len(prompts), e.batch_size)]
+    groups = [g for i in range(0, len(prompts), e.batch_size)
+              for g in rollout.evaluation([p.id for p in prompts[i:i + e.batch_size]])]
     seconds = time.perf_counter() - started
-    rewards, lengths, truncated = (np.concatenate([p[k] for p in parts]) for k in range(3))
-    line = {"model": args.model, "max_new_tokens": max_new, **summarize(rewards, lengths, truncated),
-            "seconds": round(seconds, 1)}
-    if sum(guard.totals):
-        line.update({f"reward/errors_{reason}": n for reason, n in zip(REASONS, guard.totals)})
+    scores = Scores.of(groups)
+    line = {"model": args.model, "max_new_tokens": max_new,
+            **summarize(scores.rewards, scores.lengths, scores.truncated), "seconds": round(seconds, 1)}
+    if sum(scores.failures):
+        line.update({f"reward/errors_{reason}": n for reason, n in zip(FAILURE_REASONS, scores.failures)})
     print(json.dumps(line), flush=True)
     for i, prompt in enumerate(prompts[:args.show]):
-        print(f"--- held-out prompt {i} (answer {prompt.answer}, reward {rewards[i, 0]:g})\n"
-              f"{prompt_format.render(prompt)}{shown[i * e.pass_k]}")
+        print(f"--- held-out prompt {i} (answer {prompt.answer}, reward {scores.rewards[i, 0]:g})\n"
+              f"{prompt_format.render(prompt)}{prompt_format.response_text(groups[i][0].tokens)}")
     return 0
 
 

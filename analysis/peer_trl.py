@@ -94,7 +94,8 @@ def run(args) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from async_rl.actor.engines.torch_engine import TorchEngine
-    from async_rl.coordinator.eval_rounds import score_prompts, summarize
+    from async_rl.actor.rollout.rollout import Rollout
+    from async_rl.coordinator.eval_rounds import summarize
     from async_rl.tasks.prompt_format import stop_token_ids
     from async_rl.tasks.prompt_format import prompt_format_for
     from async_rl.tasks import task_from_config
@@ -120,12 +121,11 @@ def run(args) -> int:
     def held_out_accuracy(model) -> float:
         """An actor's evaluation round, on a copy of the model (TorchEngine freezes what it gets)."""
         engine = TorchEngine(copy.deepcopy(model), device=model.device, eos_token_id=stops)
-        generator = torch.Generator().manual_seed(cfg.seed)
-        parts = [score_prompts(engine, prompt_format, task, eval_prompts[i:i + e.batch_size], samples=e.pass_k,
-                               max_new_tokens=e.max_new_tokens or cfg.actors.max_new_tokens,
-                               temperature=e.temperature, generator=generator)
+        rollout = Rollout.from_config(cfg, engine, prompt_format, task, torch.Generator().manual_seed(cfg.seed))
+        parts = [rollout.scores([p.id for p in eval_prompts[i:i + e.batch_size]])
                  for i in range(0, len(eval_prompts), e.batch_size)]
-        return summarize(*(np.concatenate([p[k] for p in parts]) for k in range(3)))["eval/accuracy"]
+        return summarize(*(np.concatenate([getattr(p, k) for p in parts])
+                           for k in ("rewards", "lengths", "truncated")))["eval/accuracy"]
 
     metrics = open(RunDir(run_dir).metrics_path, "a", buffering=1)  # read back as an async-rl run's
 

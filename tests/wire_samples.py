@@ -79,7 +79,7 @@ def make_spans(n: int = 3, **changes) -> TraceSpans:
 
 # Appended, not inserted: CASES below refer to SAMPLES by position.
 SAMPLES += [make_spans(), make_spans(0, dropped=7)]
-# Failed reward calls (per reward_guard.REASONS) travel with experience and eval results.
+# Failed reward calls (per wire FAILURE_REASONS) travel with experience and eval results.
 SAMPLES += [
     replace(make_group(), reward_errors=[1, 0, 2, 1]),
     EvalResult(actor_id=3, round=3, version=7, prompt_ids=[2**48], rewards=np.array([[0.0, 1.0]], np.float32),

@@ -30,8 +30,8 @@ from async_rl.config import Config, to_yaml
 from async_rl.coordinator.eval_rounds import EvalRounds, eval_prompt_ids
 from async_rl.coordinator.replay_buffer import ReplayBuffer, Taken
 from async_rl.tasks.base import Task
-from async_rl.user_code import REASONS
 from async_rl.run.tracing import TraceWriter
+from async_rl.wire.messages import FAILURE_REASONS
 from async_rl.wire import (EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder,
                          TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, claimed_group)
 from async_rl.weight_transfer.broadcaster import WeightBroadcaster
@@ -71,7 +71,7 @@ class Coordinator:
         self.buffer: ReplayBuffer[ExperienceGroup] = ReplayBuffer(cfg.max_staleness, capacity)
         self.limits = WireLimits()
         self.rejects = RejectCounter()
-        self.reward_errors = dict.fromkeys(REASONS, 0)  # accepted groups' and eval results' failed reward calls
+        self.reward_errors = dict.fromkeys(FAILURE_REASONS, 0)  # accepted groups' and eval results' failed reward calls
         self.version = 0  # the learner's version (advance)
         self.actors = ActorRegistry()
         self.granted: dict[int, Grant] = {}  # admission index -> who generates it
@@ -140,7 +140,7 @@ class Coordinator:
             return dict(self.reward_errors)
 
     def _count_reward_errors(self, counts: list[int]) -> None:
-        for reason, n in zip(REASONS, counts):
+        for reason, n in zip(FAILURE_REASONS, counts):
             self.reward_errors[reason] += n
 
     def request_eval(self, version: int) -> None:

@@ -1,4 +1,5 @@
-"""Held-out evaluation, run by the actors at one policy version per round.
+"""Held-out evaluation rounds, handed out by the coordinator and scored by the actors
+(actor/rollout/rollout.py: `Rollout.scores`), at one policy version per round.
 
 Why on the actors: they already hold the current weights in an inference engine. The
 learner then keeps no unsharded copy of the model for evaluation, never stops training
@@ -30,24 +31,6 @@ from async_rl.wire import EvalGrant, EvalResult
 log = logging.getLogger("async_rl.eval")
 
 
-# -- the actor's side --------------------------------------------------------------
-def score_prompts(engine, prompt_format, task, prompts, *, samples: int, max_new_tokens: int, temperature: float,
-                  generator=None, reward=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rewards, response lengths, truncated), each [len(prompts), samples]. `reward`
-    scores one response (default: the task's own reward, unguarded; the actors and
-    analysis/eval_model.py pass a RewardGuard, so failing user code scores its fallback)."""
-    reward = reward or task.reward
-    outputs = engine.generate([prompt_format.encode(p) for p in prompts], n=samples, max_new_tokens=max_new_tokens,
-                              greedy=temperature == 0.0, temperature=temperature or 1.0, generator=generator)
-    shape = (len(prompts), samples)
-    rewards, lengths, truncated = np.zeros(shape, np.float32), np.zeros(shape, np.int32), np.zeros(shape, np.uint8)
-    for i, (prompt, completions) in enumerate(zip(prompts, outputs)):
-        for j, c in enumerate(completions):
-            rewards[i, j] = reward(prompt.text, prompt_format.response_text(c.tokens.tolist()), prompt.answer)
-            lengths[i, j], truncated[i, j] = len(c.tokens), not c.finished
-    return rewards, lengths, truncated
-
-
 def summarize(rewards: np.ndarray, lengths: np.ndarray, truncated: np.ndarray) -> dict[str, float]:
     """A round's metrics from its [prompts, k] scores. A sample is correct when its
     reward is >= 1 (exact match, or a 0/1 verifier); with k samples per prompt,
@@ -62,7 +45,6 @@ def summarize(rewards: np.ndarray, lengths: np.ndarray, truncated: np.ndarray) -
     return out
 
 
-# -- the coordinator's side ----------------------------------------------------------
 @dataclass
 class _Round:
     requested: int  # learner version that asked for it: pinned to a version >= this

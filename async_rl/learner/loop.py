@@ -27,11 +27,10 @@ import torch.distributed as dist
 
 from async_rl.config import Config
 from async_rl.learner.batching import Batch, scatter_batch
-from async_rl.learner.step_data import StepData
+from async_rl.learner.step_data import StepData, describe
 from async_rl.learner.trainer import Trainer
 from async_rl.run.processes import peak_rss_mb
 from async_rl.run.status import EXIT_CONFIG, EXIT_NONFINITE, EXIT_REWARD_ERRORS, EXIT_STALLED
-from async_rl.user_code import describe
 
 log = logging.getLogger("async_rl.learner")
 POLL_S = 0.5  # how long rank 0 waits between the broadcasts that keep the other ranks with it

@@ -15,7 +15,7 @@ from async_rl.config import Config
 from async_rl.learner.health import RunHealth
 from async_rl.run.metrics import batch_histograms, generations_table, version_mix
 from async_rl.coordinator.replay_buffer import Taken
-from async_rl.user_code import step_errors
+from async_rl.wire.messages import FAILURE_REASONS, zero_counts
 
 
 @dataclass
@@ -24,7 +24,7 @@ class StepData:
     samples: int
     gen_tokens: float
     waited: float  # seconds the learner waited for the batch
-    reward_errors: list[int]  # failed reward calls per reason (reward_guard.REASONS)
+    reward_errors: list[int]  # failed user-code calls per reason (wire FAILURE_REASONS)
     histograms: dict[str, Any]
     texts: dict[str, str] | None
 
@@ -74,3 +74,16 @@ def policy_turns(groups) -> np.ndarray:
             m = r.policy_mask
             out.append(1 if m is None else int(m[:1].sum() + ((m[1:] == 1) & (m[:-1] == 0)).sum()))
     return np.array(out)
+
+
+def step_errors(groups) -> tuple[list[int], float]:
+    """(failures per reason, fraction of scored responses that got the fallback) of a
+    step's ExperienceGroups; a ReMax baseline counts as one more scored response."""
+    counts = [sum(col) for col in zip(*(g.reward_errors for g in groups))] if groups else zero_counts()
+    scored = sum(len(g.rewards) + (g.greedy_reward is not None) for g in groups)
+    return counts, sum(counts) / max(scored, 1)
+
+
+def describe(counts) -> str:
+    """`raised 3, timeout 0, ...`: counts in FAILURE_REASONS order, for a log line."""
+    return ", ".join(f"{reason} {n}" for reason, n in zip(FAILURE_REASONS, counts))

@@ -16,8 +16,17 @@ import numpy as np
 from msgspec import Meta, field
 
 from async_rl.staleness import group_version
-from async_rl.user_code import REASONS, zero_counts
 from async_rl.run.tracing import ACTOR_SPANS, MAX_TRACE_US, SPAN_ARG_KEYS
+
+# Why a call of user code (a reward, an environment) failed: the counts of failed calls
+# travel in this order (`reward_errors`); actor/guard.py tells them apart.
+FAILURE_REASONS = ("raised", "timeout", "non_finite", "not_a_number")
+
+
+def zero_counts() -> list[int]:
+    """Per-reason counts of a message whose samples all scored."""
+    return [0] * len(FAILURE_REASONS)
+
 
 # Log-probabilities are <= 0 in exact arithmetic; float32 log-softmax can land a
 # hair above zero for a near-certain token, so allow a small tolerance.
@@ -214,7 +223,7 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
     truncated: UInt8Vector  # [G] 1 = cut at the length limit (no stop token)
     gen_seconds: NonNegative
     greedy_reward: Optional[Finite] = None  # ReMax baseline, when computed
-    # Samples (and the greedy baseline) scored reward.fallback, per reward_guard.REASONS.
+    # Samples (and the greedy baseline) scored reward.fallback, per FAILURE_REASONS.
     reward_errors: list[Count] = field(default_factory=zero_counts)
     policy_mask: UInt8Vector = field(default_factory=_empty(np.uint8))  # [R], or [0]: all the policy's
     step_ends: Int32Vector = field(default_factory=_empty(np.int32))  # [S] flat offsets, increasing
@@ -271,7 +280,7 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
             return "bad_value"
         if int(lengths.sum(dtype=np.int64)) != r:
             return "shape_mismatch"
-        if len(self.reward_errors) != len(REASONS):
+        if len(self.reward_errors) != len(FAILURE_REASONS):
             return "shape_mismatch"
         if sum(self.reward_errors) > g + (self.greedy_reward is not None):
             return "bad_value"
@@ -320,7 +329,7 @@ class EvalResult(Message, tag="eval_result", eq=False):
         shape = (len(self.prompt_ids), self.rewards.shape[1])
         if self.response_lengths.shape != shape or self.truncated.shape != shape:
             return "shape_mismatch"
-        if len(self.reward_errors) != len(REASONS):
+        if len(self.reward_errors) != len(FAILURE_REASONS):
             return "shape_mismatch"
         if (self.response_lengths < 0).any() or (self.truncated > 1).any():
             return "bad_value"

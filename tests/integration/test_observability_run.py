@@ -75,7 +75,7 @@ def test_a_run_writes_histograms_texts_and_the_layout_to_tensorboard(run):
 def test_every_step_line_has_the_documented_metrics(run):
     """docs/observability.md's step metrics (the algorithm diagnostics aside), each
     with the meaning it documents for this run: 8 groups of 4 per step, nothing dropped."""
-    from async_rl.user_code import REASONS
+    from async_rl.wire.messages import FAILURE_REASONS as REASONS
 
     documented = {
         "train/reward_mean", "train/samples", "train/response_len_mean", "train/response_len_max",

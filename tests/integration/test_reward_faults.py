@@ -8,7 +8,7 @@ import sys
 
 from conftest import ROOT, read_metrics, subprocess_env, train
 
-from async_rl.user_code import REASONS
+from async_rl.wire.messages import FAILURE_REASONS as REASONS
 
 SMALL = ["learner.ranks=1", "eval.every=5", "train.max_steps=10", "reward.timeout_s=0.5"]
 

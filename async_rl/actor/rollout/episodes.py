@@ -2,40 +2,41 @@
 policy is generated in one batch, while environments answer in worker threads.
 
     episodes ready for the policy  ->  one engine.generate over all of them
-    each turn's text               ->  env.step in a worker thread (guard.py)
+    each turn's text               ->  env.step, guarded (actor/guard.py)
     answers as they arrive         ->  tokens appended (turns.py); the episode is ready again
 
 An episode whose environment is slow never holds the engine: the loop generates for
 whichever episodes are ready and collects answers as they come, and waits only when no
-episode is ready. Each environment call runs in a daemon thread of its own (an episode
-has at most one call pending). One that runs past `timeout_s` fails its episode
-(counted as `timeout`); Python cannot stop the thread, which finishes on its own, and
-being a daemon it never keeps the actor from exiting.
+episode is ready. Each environment call runs in a thread of its own, under env.timeout_s;
+one that runs past it fails its episode (counted as `timeout`). Without an environment
+(single-turn) every episode is ready at once and ends after its one turn; its reward is
+the rollout's to give (rollout.py).
+
+Episodes that share their prefix (a prompt's group at its first turn) are one prompt
+sampled k times in the batch: the engine prefills it once and repeats its KV cache.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
-import threading
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-from async_rl.tasks.base import Prompt
+from async_rl.actor.environments.base import Turn
+from async_rl.actor.guard import Call, Calls, Failed, Guard, as_reward
 from async_rl.actor.rollout.episode import Episode
-from async_rl.actor.environments.guard import EnvironmentFailed, EnvironmentGuard
 from async_rl.actor.rollout.turns import TurnFormat
+from async_rl.tasks.base import Prompt
 
-
-GATHER_S = 0.02
+GATHER_S = 0.02  # answers that come within a moment join the same batch
 
 
 @dataclass
-class EpisodeLimits:
+class Limits:
     max_turns: int  # policy turns per episode
     max_tokens: int  # the episode's response: policy and environment tokens
     turn_tokens: int  # new tokens per policy turn
-    timeout_s: float  # per environment call
 
 
 @dataclass
@@ -45,109 +46,112 @@ class Sampling:
     greedy: bool = False
 
 
-def call_in_thread(fn, *args) -> cf.Future:
-    """`fn(*args)` in a new daemon thread; its Future."""
-    future: cf.Future = cf.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # handed to whoever reads the result
-            future.set_exception(err)
-
-    threading.Thread(target=run, name="env-call", daemon=True).start()
-    return future
+@dataclass
+class Environments:
+    """What an `env.name` run's episodes are played against: the factory of an
+    environment per episode, the guard its calls run under, the tokens of its turns."""
+    factory: Callable[[Prompt], Any]
+    guard: Guard
+    turns: TurnFormat
 
 
-def run_episodes(engine, prompt_format, turn_format: TurnFormat, guard: EnvironmentGuard, prompts: list[Prompt],
-                 group_size: int, limits: EpisodeLimits, sampling: Sampling,
-                 generator: torch.Generator | None = None) -> list[list[Episode]]:
-    """`group_size` episodes per prompt, run to their ends; result[i][j]: prompt i's
-    episode j. Each Episode's `failure` names the reason its environment failed, if it did."""
-    groups = [[Episode(prompt_format.encode(p), limits.max_turns, limits.max_tokens) for _ in range(group_size)]
-              for p in prompts]
-    calls = _Calls(guard, limits.timeout_s)
-    for p, episodes in zip(prompts, groups):
-        for ep in episodes:
-            calls.start(ep, p)
-    stops = set(engine.eos_token_ids)
-    while calls.pending:
-        for ep, turn in calls.answers():
-            last = ep.tokens[-1] if ep.tokens else None
-            ep.add_environment_turn(turn, turn_format.tokens(turn.messages, last if last in stops else None)
-                                    if not turn.done else [])
-            if not ep.done:
-                calls.ready.append(ep)
-        if calls.ready:
-            ready, calls.ready = calls.ready, []
-            _policy_turns(engine, prompt_format, calls, ready, limits, sampling, generator)
-    calls.close_all()
-    return groups
+def checked_turn(value: object) -> Turn:
+    """`value` if it is a well-formed Turn; Failed otherwise."""
+    if not isinstance(value, Turn):
+        raise Failed("not_a_number", f"returned {type(value).__name__}, not a Turn")
+    messages = value.messages
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise Failed("not_a_number", f"returned messages {messages!r:.60}, not role/content strings")
+    if value.reward is None:
+        return value
+    return Turn(messages, as_reward(value.reward), bool(value.done))
 
 
-def _policy_turns(engine, prompt_format, calls: "_Calls", ready: list[Episode], limits: EpisodeLimits,
-                  sampling: Sampling, generator) -> None:
-    """One batched turn for every ready episode; each turn's text goes to its environment."""
-    budget = max(ep.budget() for ep in ready)
-    completions = engine.generate([ep.prefix() for ep in ready], n=1, max_new_tokens=min(limits.turn_tokens, budget),
-                                  temperature=sampling.temperature, top_p=sampling.top_p, greedy=sampling.greedy,
-                                  generator=generator)
-    for ep, [c] in zip(ready, completions):
-        if len(c) > ep.budget():  # the batch ran longer than this episode may: cut at its budget
-            n = ep.budget()
-            c = type(c)(c.tokens[:n], c.logprobs[:n], c.versions[:n], False)
-        ep.add_policy_turn(c)
-        if not ep.done:
-            calls.step(ep, prompt_format.response_text(c.tokens.tolist()))
+def has_step(env: object) -> object:
+    if not callable(getattr(env, "step", None)):
+        raise Failed("not_a_number", f"made {type(env).__name__}, which has no step()")
+    return env
 
 
-class _Calls:
-    """The environment calls in flight, one per episode at most: starting an episode's
-    environment (its factory) or answering its last turn."""
+def close_quietly(env: object) -> None:
+    """The environment's `close()`, when it has one; the episode is already scored."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
 
-    def __init__(self, guard: EnvironmentGuard, timeout_s: float) -> None:
-        self.guard, self.timeout_s = guard, timeout_s
-        self.pending: dict[cf.Future, tuple[Episode, float, bool]] = {}  # -> (episode, deadline, is_start)
-        self.envs: dict[int, object] = {}
-        self.ready: list[Episode] = []  # episodes waiting on the policy
 
-    def start(self, ep: Episode, prompt: Prompt) -> None:
-        self.pending[call_in_thread(self.guard.start, prompt)] = (ep, time.monotonic() + self.timeout_s, True)
-
-    def step(self, ep: Episode, action: str) -> None:
-        future = call_in_thread(self.guard.step, self.envs[id(ep)], action)
-        self.pending[future] = (ep, time.monotonic() + self.timeout_s, False)
-
-    def close_all(self) -> None:
-        """Every started environment's close(), each in a daemon thread of its own (user
-        code: it may hang, and no episode waits on it)."""
-        for env in self.envs.values():
-            call_in_thread(self.guard.close, env)
-        self.envs.clear()
-
-    def answers(self) -> list[tuple[Episode, object]]:
-        """(episode, Turn) of each step answered; started environments join `ready` and
-        failed episodes end. Waits (until the first answer or deadline) only when no
-        episode is ready for the policy."""
-        if not self.ready and self.pending:
-            deadline = min(d for _, d, _ in self.pending.values())
-            cf.wait(list(self.pending), timeout=max(0.0, deadline - time.monotonic()), return_when=cf.FIRST_COMPLETED)
-            # Answers that come within a moment join the same batch: fast environments all
-            # answer together, and one slow one holds the others no longer than this.
-            cf.wait(list(self.pending), timeout=GATHER_S, return_when=cf.ALL_COMPLETED)
-        out, now = [], time.monotonic()
-        for future in [f for f, (_, deadline, _) in self.pending.items() if f.done() or deadline <= now]:
-            ep, _, is_start = self.pending.pop(future)
-            try:
-                if not future.done():
-                    raise EnvironmentFailed("timeout", f"ran past env.timeout_s={self.timeout_s:g}s")
-                value = future.result()
-            except EnvironmentFailed as failure:
-                ep.fail(self.guard.failed(failure), failure.reason)
-                continue
-            if is_start:
-                self.envs[id(ep)] = value
-                self.ready.append(ep)
+def run_episodes(engine, prompt_format, prompts: list[Prompt], n: int, limits: Limits, sampling: Sampling,
+                 generator: torch.Generator | None = None, environments: Environments | None = None
+                 ) -> tuple[list[list[Episode]], float]:
+    """`n` episodes per prompt, run to their ends: (result[i][j], prompt i's episode j;
+    the seconds spent generating). Each Episode's `failure` names the reason its
+    environment failed, if it did."""
+    groups = []
+    for p in prompts:
+        tokens = prompt_format.encode(p)
+        groups.append([Episode(tokens, limits.max_turns, limits.max_tokens, environment=environments is not None)
+                       for _ in range(n)])
+    episodes = [ep for group in groups for ep in group]
+    owners = [p for p, group in zip(prompts, groups) for _ in group]
+    calls, envs, ready = Calls(), {}, []
+    if environments is None:
+        ready = list(range(len(episodes)))
+    for i, prompt in enumerate(owners if environments is not None else ()):
+        calls.submit([Call(("start", i), environments.guard, environments.factory, (prompt,), has_step)])
+    generating = 0.0
+    while ready or len(calls):
+        if ready:
+            started = time.monotonic()
+            _policy_turns(engine, [episodes[i] for i in ready], limits, sampling, generator)
+            generating += time.monotonic() - started
+            for i in ready:
+                if not episodes[i].done:  # its turn, as text, to its environment
+                    text = prompt_format.response_text(episodes[i].last_turn())
+                    calls.submit([Call(("step", i), environments.guard, envs[i].step, (text,), checked_turn)])
+            ready = []
+        for (kind, i), outcome in calls.answers(block=True, gather_s=GATHER_S):
+            ep = episodes[i]
+            if isinstance(outcome, Failed):
+                ep.fail(environments.guard.failed(outcome), outcome.reason)
+            elif kind == "start":
+                envs[i] = outcome
+                ready.append(i)
             else:
-                out.append((ep, value))
-        return out
+                last = ep.tokens[-1] if ep.tokens else None
+                stop = last if last in engine.eos_token_ids else None
+                ep.add_environment_turn(outcome, environments.turns.tokens(outcome.messages, stop)
+                                        if not outcome.done else [])
+                if not ep.done:
+                    ready.append(i)
+        ready.sort()  # the batch in episode order, whatever order the answers came in
+    closing = Calls()  # user code that may hang: nobody waits for it
+    for env in envs.values():
+        closing.submit([Call("close", environments.guard, close_quietly, (env,))])
+    return groups, generating
+
+
+def _policy_turns(engine, ready: list[Episode], limits: Limits, sampling: Sampling, generator) -> None:
+    """One batched turn for every ready episode."""
+    budget = max(ep.budget() for ep in ready)
+    prefixes = [ep.prefix() for ep in ready]
+    shared: dict[tuple[int, ...], list[int]] = {}
+    for i, prefix in enumerate(prefixes):
+        shared.setdefault(tuple(prefix), []).append(i)
+    sizes = {len(members) for members in shared.values()}
+    options = dict(max_new_tokens=min(limits.turn_tokens, budget), temperature=sampling.temperature,
+                   top_p=sampling.top_p, greedy=sampling.greedy, generator=generator)
+    if len(sizes) == 1 and len(shared) < len(ready):  # each prefix k times: k samples of each
+        out = engine.generate([prefixes[members[0]] for members in shared.values()], n=sizes.pop(), **options)
+        completions = [None] * len(ready)
+        for members, samples in zip(shared.values(), out):
+            for i, sample in zip(members, samples):
+                completions[i] = sample
+    else:
+        completions = [c for [c] in engine.generate(prefixes, n=1, **options)]
+    for ep, c in zip(ready, completions):
+        if len(c) > ep.budget():  # the batch ran longer than this episode may: cut at its budget
+            k = ep.budget()
+            c = type(c)(c.tokens[:k], c.logprobs[:k], c.versions[:k], False)
+        ep.add_policy_turn(c)

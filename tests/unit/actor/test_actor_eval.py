@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from async_rl.config import build_config
 from async_rl.actor.engines.torch_engine import TorchEngine
 from async_rl.actor.process import evaluate_chunk
-from async_rl.tasks.prompt_format import prompt_format_for
+from async_rl.actor.rollout.rollout import Rollout
+from async_rl.config import build_config
 from async_rl.tasks import task_from_config
-from async_rl.tasks import PromptIndex
 from async_rl.tasks.base import EVAL_ID_OFFSET
+from async_rl.tasks.prompt_format import prompt_format_for
 from async_rl.wire import EvalGrant, EvalResult, decode
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -27,8 +27,9 @@ def test_a_chunk_runs_on_eval_threads_and_restores_the_actors(demo_model, eval_t
     engine.generate = lambda *a, **kw: seen.append(torch.get_num_threads()) or generate(*a, **kw)
     grant = EvalGrant(round=3, version=5, prompt_ids=[EVAL_ID_OFFSET + i for i in range(4)])
 
-    result = decode(evaluate_chunk(engine, prompt_format_for(cfg.model.path, cfg.task), task, PromptIndex(task), cfg, grant, actor_id=7,
-                                   generator=torch.Generator().manual_seed(0)))
+    rollout = Rollout.from_config(cfg, engine, prompt_format_for(cfg.model.path, cfg.task), task,
+                                  torch.Generator().manual_seed(0))
+    result = decode(evaluate_chunk(rollout, grant, actor_id=7, threads=cfg.eval.threads))
 
     assert seen == [eval_threads or 1] and torch.get_num_threads() == 1
     assert isinstance(result, EvalResult) and (result.round, result.version, result.actor_id) == (3, 5, 7)

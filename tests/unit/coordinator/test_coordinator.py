@@ -10,7 +10,7 @@ import zmq
 from conftest import ask, dealer, running_coordinator, wait_for
 
 from async_rl.run.directory import RunDir
-from async_rl.user_code import REASONS
+from async_rl.wire.messages import FAILURE_REASONS
 from async_rl.wire import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Hello, Wait, Welcome, WorkGrant, WorkRequest,
                                 encode, send)
 
@@ -63,7 +63,7 @@ def test_register_grant_admission_and_experience(hub, tmp_path):
                                      "data/prompts_skipped", "staleness/dropped", "wire/rejected")} == {
         "actors/live": 1, "data/prompts_admitted": 4, "data/prompts_consumed": 4, "data/prompts_skipped": 0,
         "staleness/dropped": 0, "wire/rejected": 0}
-    assert counters["reward/errors"] == 0 and {f"reward/errors_{r}" for r in REASONS} < set(counters)
+    assert counters["reward/errors"] == 0 and {f"reward/errors_{r}" for r in FAILURE_REASONS} < set(counters)
     assert counters["memory/actor_peak_rss_gb"] == 0.0  # no heartbeat yet
     # Once the learner advances, a request at the new version is served.
     assert isinstance(ask(sock, WorkRequest(actor_id=welcome.actor_id, version=1, max_groups=1)), Wait)
@@ -316,3 +316,29 @@ def test_a_snapshot_is_not_changed_by_later_requests(tmp_path):
         assert coord.too_long_in_a_row() == 6 and coord.counters()["data/prompts_skipped"] == 6
         assert state["skipped"] == [0, 1, 2] and state["admitted"] == 3
         check_partition(state, [index for index, _, _ in groups])
+
+
+def test_the_coordinator_sums_counts_into_its_checkpoint_state_and_old_states_mean_zero(tmp_path):
+    import torch
+
+    from async_rl.config import build_config
+    from async_rl.coordinator.coordinator import Coordinator
+    from async_rl.tasks import make_task
+    from async_rl.weight_transfer.broadcaster import WeightBroadcaster
+
+    cfg = build_config({"learner": {"ranks": 1}})
+    bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
+                           device=torch.device("cpu"), timeout_s=5)
+    try:
+        coord = Coordinator(cfg, make_task("arithmetic", seed=0), bc, tmp_path)
+        state, _ = coord.snapshot()
+        assert state["reward_errors"] == dict.fromkeys(FAILURE_REASONS, 0)
+        old = {k: v for k, v in state.items() if k != "reward_errors"}  # a checkpoint from before the counts
+        coord.restore(0, old, [])
+        assert coord.reward_error_totals() == dict.fromkeys(FAILURE_REASONS, 0)
+        coord.restore(0, {**old, "reward_errors": {"raised": 3, "timeout": 1}}, [])
+        coord._count_reward_errors([1, 0, 2, 0])
+        assert coord.reward_error_totals() == {"raised": 4, "timeout": 1, "non_finite": 2, "not_a_number": 0}
+        assert coord.snapshot()[0]["reward_errors"] == coord.reward_error_totals()
+    finally:
+        bc.close()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from async_rl.actor.engines.torch_engine import TorchEngine
-from async_rl.coordinator.eval_rounds import EvalRounds, score_prompts, summarize
+from async_rl.coordinator.eval_rounds import EvalRounds, summarize
 from async_rl.tasks.prompt_format import PromptFormat
 from async_rl.tasks import EVAL_ID_OFFSET, PromptIndex, make_task
 from async_rl.wire import EvalResult
@@ -92,20 +92,3 @@ def test_summarize_accuracy_and_pass_at_k():
     assert line["eval/pass@4"] == pytest.approx(2 / 3)
     assert line["eval/truncated_frac"] == pytest.approx(0.25) and line["eval/response_len_mean"] == 4
     assert "eval/pass@1" not in summarize(rewards[:, :1], np.ones((3, 1)), np.zeros((3, 1)))
-
-
-def test_score_prompts_with_the_demo_model(demo_model):
-    task = make_task("arithmetic", seed=0, eval_size=8)
-    engine = TorchEngine(demo_model)
-    fmt = PromptFormat(__import__("transformers").AutoTokenizer.from_pretrained(demo_model), "auto")
-    prompts = [PromptIndex(task)[i] for i in (EVAL_ID_OFFSET, EVAL_ID_OFFSET + 3)]
-    rewards, lengths, truncated = score_prompts(engine, fmt, task, prompts, samples=1, max_new_tokens=3,
-                                                temperature=0.0)
-    assert rewards.shape == lengths.shape == truncated.shape == (2, 1)
-    greedy = engine.generate([fmt.encode(p) for p in prompts], max_new_tokens=3, greedy=True)
-    for i, (p, (c,)) in enumerate(zip(prompts, greedy)):
-        assert rewards[i, 0] == task.reward(p.text, fmt.response_text(c.tokens.tolist()), p.answer)
-        assert lengths[i, 0] == len(c.tokens) and truncated[i, 0] == (not c.finished)
-    sampled, _, _ = score_prompts(engine, fmt, task, prompts, samples=3, max_new_tokens=3, temperature=1.0,
-                                  generator=torch.Generator().manual_seed(0))
-    assert sampled.shape == (2, 3)

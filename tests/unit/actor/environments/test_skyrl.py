@@ -13,11 +13,11 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput  # n
 from skyrl_gym.envs.gsm8k.multi_turn_env import GSM8kMultiTurnEnv  # noqa: E402
 
 from async_rl.actor.engines.torch_engine import TorchEngine  # noqa: E402
-from async_rl.actor.environments.guard import EnvironmentGuard  # noqa: E402
+from async_rl.actor.guard import Guard  # noqa: E402
 from async_rl.actor.environments import Turn  # noqa: E402
 from async_rl.actor.rollout.turns import TurnFormat  # noqa: E402
 from async_rl.actor.environments.registry import environment_factory  # noqa: E402
-from async_rl.actor.rollout.episodes import EpisodeLimits, Sampling, run_episodes  # noqa: E402
+from async_rl.actor.rollout.episodes import Environments, Limits, Sampling, run_episodes  # noqa: E402
 from async_rl.tasks.prompt_format import PromptFormat  # noqa: E402
 from async_rl.tasks.base import Prompt  # noqa: E402
 
@@ -83,10 +83,12 @@ def engine_and_format(chat_model):
 
 def _episodes(engine_and_format, name, options):
     engine, pf, turns = engine_and_format
-    guard = EnvironmentGuard(environment_factory(name, None, options, max_turns=3), fallback=-1.0)
-    limits = EpisodeLimits(max_turns=3, max_tokens=60, turn_tokens=4, timeout_s=10.0)
-    return run_episodes(engine, pf, turns, guard, [PROMPT], 2, limits, Sampling(temperature=1.0),
-                        torch.Generator().manual_seed(0))[0]
+    guard = Guard(name, timeout_s=10.0, fallback=-1.0, kind="environment")
+    environments = Environments(environment_factory(name, None, options, max_turns=3), guard, turns)
+    limits = Limits(max_turns=3, max_tokens=60, turn_tokens=4)
+    groups, _ = run_episodes(engine, pf, [PROMPT], 2, limits, Sampling(temperature=1.0),
+                             torch.Generator().manual_seed(0), environments)
+    return groups[0]
 
 
 def test_episodes_run_to_the_environments_end_and_close_it(engine_and_format):

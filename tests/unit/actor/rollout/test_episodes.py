@@ -1,4 +1,4 @@
-"""envs/rollout.py on the real torch engine and a tiny chat model: many episodes in
+"""rollout/episodes.py on the real torch engine and a tiny chat model: many episodes in
 flight, each turn batched over the episodes ready for it, a slow environment never
 holding the engine, and one that hangs failing its episode alone."""
 import threading
@@ -9,10 +9,10 @@ import torch
 import transformers
 
 from async_rl.actor.engines.torch_engine import TorchEngine
-from async_rl.actor.environments.guard import EnvironmentGuard
 from async_rl.actor.environments import Turn
+from async_rl.actor.guard import Guard
+from async_rl.actor.rollout.episodes import Environments, Limits, Sampling, run_episodes
 from async_rl.actor.rollout.turns import TurnFormat
-from async_rl.actor.rollout.episodes import EpisodeLimits, Sampling, run_episodes
 from async_rl.tasks.prompt_format import PromptFormat
 from async_rl.tasks.base import Prompt
 
@@ -41,9 +41,9 @@ class Counting:
 
 
 class SpyEngine(TorchEngine):
-    def _generate(self, prompts, *args):
-        self.calls.append((time.monotonic(), len(prompts)))
-        return super()._generate(prompts, *args)
+    def _generate(self, prompts, n, *args):
+        self.calls.append((time.monotonic(), len(prompts) * n))  # sequences sampled
+        return super()._generate(prompts, n, *args)
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +54,13 @@ def setup(chat_model):
     return engine, pf, TurnFormat(pf)
 
 
-def _run(setup, factory, prompts, limits, fallback=0.0):
+def _run(setup, factory, prompts, limits, timeout_s=5.0, fallback=0.0):
     engine, pf, turns = setup
     engine.calls = []
-    return run_episodes(engine, pf, turns, EnvironmentGuard(factory, fallback=fallback), prompts, 2, limits,
-                        Sampling(temperature=1.0), torch.Generator().manual_seed(0))
+    guard = Guard("test_env", timeout_s=timeout_s, fallback=fallback, kind="environment")
+    groups, _ = run_episodes(engine, pf, prompts, 2, limits, Sampling(temperature=1.0),
+                             torch.Generator().manual_seed(0), Environments(factory, guard, turns))
+    return groups
 
 
 def test_episodes_take_their_turns_in_one_batch_and_a_turn_cut_at_its_limit_ends_the_episode(setup):
@@ -67,7 +69,7 @@ def test_episodes_take_their_turns_in_one_batch_and_a_turn_cut_at_its_limit_ends
     engine.eos_token_ids, engine._eos = [], torch.zeros(0, dtype=torch.long)  # no turn ends by itself
     try:
         prompts = [Prompt(id=i, text=f"q{i}", answer="") for i in range(3)]
-        groups = _run(setup, lambda p: Counting(p, turns=1), prompts, EpisodeLimits(3, 64, 4, 5.0))
+        groups = _run(setup, lambda p: Counting(p, turns=1), prompts, Limits(3, 64, 4))
     finally:
         engine.eos_token_ids, engine._eos = saved
     assert engine.calls == [(engine.calls[0][0], 6)]  # every episode's turn in one batch, and no other turn
@@ -86,12 +88,12 @@ def test_a_slow_environment_does_not_hold_the_others_and_a_hung_one_fails_alone(
         # The slow episodes' first answer waits until both fast episodes have ended: the
         # engine must take the fast ones' later turns meanwhile, or the gate never opens.
         gate = {"open": threading.Event(), "released": [], "fast_done": []}
-        groups = _run(setup, lambda p: Counting(p, turns=3, gate=gate), prompts, EpisodeLimits(5, 200, 4, 5.0))
+        groups = _run(setup, lambda p: Counting(p, turns=3, gate=gate), prompts, Limits(5, 200, 4))
         assert gate["released"] == [True, True]
         assert all(ep.done and not ep.truncated and ep.turns == 3 and ep.reward == 3.0 for g in groups for ep in g)
         assert [ep.response().policy_mask.sum() for ep in groups[1]] == [3, 3]
 
-        hung = _run(setup, lambda p: Counting(p, turns=3, sleep_s=3.0), prompts, EpisodeLimits(5, 200, 4, 0.3),
+        hung = _run(setup, lambda p: Counting(p, turns=3, sleep_s=3.0), prompts, Limits(5, 200, 4), timeout_s=0.3,
                     fallback=-1.0)
         assert all(ep.failure == "timeout" and ep.reward == -1.0 for ep in hung[0])
         assert all(ep.failure is None and ep.reward == 3.0 for ep in hung[1])
@@ -101,7 +103,7 @@ def test_a_slow_environment_does_not_hold_the_others_and_a_hung_one_fails_alone(
                 time.sleep(3.0)
             return Counting(p, turns=3)
 
-        started = _run(setup, slow_to_start, prompts, EpisodeLimits(5, 200, 4, 0.3), fallback=-1.0)
+        started = _run(setup, slow_to_start, prompts, Limits(5, 200, 4), timeout_s=0.3, fallback=-1.0)
         assert all(ep.failure == "timeout" and ep.turns == 0 and len(ep.response().tokens) == 0 for ep in started[0])
         assert all(ep.failure is None and ep.reward == 3.0 for ep in started[1])
     finally:

@@ -1,0 +1,156 @@
+"""What an actor makes of its grants, one way for training and evaluation alike.
+
+Every response is an episode (episodes.py): a single-turn one is one policy turn scored
+by the task's reward; a multi-turn one (env.name) plays against an environment, which
+gives the rewards. `experience` turns a work grant into one ExperienceGroup per prompt
+(the training-sample format), `scores` an evaluation grant's held-out prompts into their
+rewards. All user code (the reward, the environment) runs guarded (actor/guard.py): a
+failure scores reward.fallback and is counted in the message's `reward_errors`.
+
+ReMax's baseline is part of the same path: one greedy episode per prompt with the same
+weights, scored like the samples, its reward the group's `greedy_reward`; with an
+environment the greedy episode plays against one too.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from async_rl.actor.guard import Call, Calls, Failed, Guard, as_reward
+from async_rl.actor.rollout.episode import Episode
+from async_rl.actor.rollout.episodes import Environments, Limits, Sampling, run_episodes
+from async_rl.actor.rollout.turns import TurnFormat
+from async_rl.config import Config
+from async_rl.run.tracing import SpanRecorder
+from async_rl.staleness import group_version
+from async_rl.tasks import PromptIndex
+from async_rl.tasks.base import Prompt, Task
+from async_rl.wire import ExperienceGroup, WorkGrant
+from async_rl.wire.messages import FAILURE_REASONS
+
+log = logging.getLogger("async_rl.actor")
+
+
+def failures(episodes: list[Episode]) -> list[int]:
+    """Failed user-code calls per reason (FAILURE_REASONS order) among `episodes`."""
+    return [sum(ep.failure == reason for ep in episodes) for reason in FAILURE_REASONS]
+
+
+@dataclass
+class Scores:
+    """A chunk of held-out prompts, `k` samples each: [prompts, k] arrays, and the failed
+    user-code calls per reason."""
+    rewards: np.ndarray
+    lengths: np.ndarray
+    truncated: np.ndarray
+    failures: list[int]
+
+    @classmethod
+    def of(cls, groups: list[list[Episode]]) -> Scores:
+        """The scores of scored episodes, groups[i] the samples of prompt i."""
+        return cls(np.array([[ep.reward for ep in g] for g in groups], dtype=np.float32),
+                   np.array([[len(ep.tokens) for ep in g] for g in groups], dtype=np.int32),
+                   np.array([[ep.truncated for ep in g] for g in groups], dtype=np.uint8),
+                   failures([ep for g in groups for ep in g]))
+
+
+class Rollout:
+    def __init__(self, *, engine, prompt_format, task: Task, group_size: int, sampling: Sampling, limits: Limits,
+                 eval_sampling: Sampling, eval_limits: Limits, eval_samples: int, reward: Guard,
+                 environments: Environments | None = None, baseline: bool = False,
+                 generator: torch.Generator | None = None) -> None:
+        self.engine, self.prompt_format, self.task = engine, prompt_format, task
+        self.prompts = PromptIndex(task)
+        self.group_size, self.sampling, self.limits = group_size, sampling, limits
+        self.eval_sampling, self.eval_limits, self.eval_samples = eval_sampling, eval_limits, eval_samples
+        self.reward, self.environments, self.baseline, self.generator = reward, environments, baseline, generator
+
+    @classmethod
+    def from_config(cls, cfg: Config, engine, prompt_format, task: Task, generator: torch.Generator | None = None,
+                    logger: logging.Logger = log) -> Rollout:
+        """The rollout a run's config describes (actors, env, eval, reward, train sections)."""
+        a, e = cfg.actors, cfg.eval
+        reward = Guard(getattr(cfg.task, "reward", None) or f"{type(task).__name__}.reward",
+                       timeout_s=cfg.reward.timeout_s, fallback=cfg.reward.fallback, logger=logger)
+        eval_tokens = e.max_new_tokens or a.max_new_tokens
+        limits, eval_limits = Limits(1, a.max_new_tokens, a.max_new_tokens), Limits(1, eval_tokens, eval_tokens)
+        environments = None
+        if cfg.env is not None:
+            from async_rl.actor.environments.registry import environment_factory
+
+            env = cfg.env
+            guard = Guard(env.name, timeout_s=env.timeout_s, fallback=cfg.reward.fallback, kind="environment",
+                          logger=logging.getLogger("async_rl.env"))
+            environments = Environments(environment_factory(env.name, task, env.options, env.max_turns), guard,
+                                        TurnFormat(prompt_format))
+            limits = eval_limits = Limits(env.max_turns, env.max_tokens, env.turn_tokens or a.max_new_tokens)
+        return cls(engine=engine, prompt_format=prompt_format, task=task, group_size=cfg.train.group_size,
+                   sampling=Sampling(a.temperature, a.top_p), limits=limits,
+                   eval_sampling=Sampling(e.temperature or 1.0, greedy=e.temperature == 0.0), eval_limits=eval_limits,
+                   eval_samples=e.pass_k, reward=reward, environments=environments,
+                   baseline=cfg.train.advantage.name == "remax", generator=generator)
+
+    def experience(self, grant: WorkGrant, actor_id: int, spans: SpanRecorder | None = None) -> list[ExperienceGroup]:
+        """One ExperienceGroup per granted prompt, its `group_size` episodes as responses;
+        `spans` gets the generate and score spans."""
+        spans = spans if spans is not None else SpanRecorder(enabled=False)
+        prompts = [self.prompts[i] for i in grant.prompt_ids]
+        with spans.span("generate", groups=len(prompts)) as span_args:
+            groups, seconds = self._episodes(prompts, self.group_size, self.sampling, self.limits)
+            baselines = None
+            if self.baseline:  # ReMax: one greedy episode per prompt, the same weights
+                baselines, _ = self._episodes(prompts, 1, Sampling(1.0, greedy=True), self.limits)
+            span_args["tokens"] = sum(len(ep.tokens) for group in groups for ep in group)
+        with spans.span("score", groups=len(prompts)):
+            self._score(prompts + (prompts if baselines else []), groups + (baselines or []))
+        out = []
+        for k, episodes in enumerate(groups):
+            responses = [ep.response() for ep in episodes]
+            masks = [r.policy_mask for r in responses if r.policy_mask is not None]
+            greedy = None if baselines is None else baselines[k][0]
+            out.append(ExperienceGroup.from_responses(
+                responses, actor_id=actor_id, group=grant.groups[k], prompt_id=grant.prompt_ids[k],
+                version=group_version(np.concatenate([r.versions for r in responses]), default=self.engine.version,
+                                      policy_mask=np.concatenate(masks) if masks else None),
+                prompt_tokens=np.asarray(episodes[0].prompt_tokens, dtype=np.int32),
+                rewards=np.array([ep.reward for ep in episodes], dtype=np.float32),
+                truncated=np.array([ep.truncated for ep in episodes], dtype=np.uint8),
+                gen_seconds=seconds / max(1, len(prompts)), greedy_reward=None if greedy is None else greedy.reward,
+                reward_errors=failures(episodes + ([greedy] if greedy is not None else []))))
+        return out
+
+    def scores(self, prompt_ids: list[int]) -> Scores:
+        """The held-out prompts' scores, eval.pass_k samples each (greedy unless eval.temperature > 0)."""
+        return Scores.of(self.evaluation(prompt_ids))
+
+    def evaluation(self, prompt_ids: list[int]) -> list[list[Episode]]:
+        """The held-out prompts' episodes, scored: result[i] the samples of prompt i."""
+        prompts = [self.prompts[i] for i in prompt_ids]
+        groups, _ = self._episodes(prompts, self.eval_samples, self.eval_sampling, self.eval_limits)
+        self._score(prompts, groups)
+        return groups
+
+    def _episodes(self, prompts: list[Prompt], n: int, sampling: Sampling, limits: Limits):
+        return run_episodes(self.engine, self.prompt_format, prompts, n, limits, sampling, self.generator,
+                            self.environments)
+
+    def _score(self, prompts: list[Prompt], groups: list[list[Episode]]) -> None:
+        """Single-turn episodes' rewards (groups[i]: prompt i's): the task's reward on each
+        response, guarded, one after the other in one worker thread. (An environment
+        scores its own episodes.)"""
+        if self.environments is not None:
+            return
+        pairs = [(p, ep) for p, group in zip(prompts, groups, strict=True) for ep in group]
+        calls = Calls()
+        calls.submit([Call(i, self.reward, self.task.reward,
+                           (p.text, self.prompt_format.response_text(ep.tokens), p.answer), as_reward)
+                      for i, (p, ep) in enumerate(pairs)])
+        for i, outcome in calls.wait_all().items():
+            ep = pairs[i][1]
+            if isinstance(outcome, Failed):
+                ep.fail(self.reward.failed(outcome), outcome.reason)
+            else:
+                ep.score(outcome)

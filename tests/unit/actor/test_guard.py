@@ -1,0 +1,246 @@
+"""actor/guard.py: user code (rewards, environments) that raises, hangs or returns
+nonsense becomes a failure of its reason, scores the fallback, is counted and logged
+once per reason; one timeout mechanism (a worker thread and a deadline) for all of it."""
+import logging
+import math
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from async_rl.actor.environments import Turn
+from async_rl.actor.guard import Call, Calls, Failed, Guard, as_reward
+from async_rl.actor.rollout.episodes import checked_turn, has_step
+from async_rl.learner.step_data import step_errors
+from async_rl.wire import ExperienceGroup, WireError, decode, encode
+from async_rl.wire.messages import FAILURE_REASONS
+
+
+def returning(value):
+    return lambda prompt, response, answer: value
+
+
+def raising(prompt, response, answer):
+    raise ValueError("cannot parse")
+
+
+def sleeping(prompt, response, answer):
+    time.sleep(3)
+    return 1.0
+
+
+def spinning(prompt, response, answer):
+    while True:  # pure Python: interruptible
+        try:
+            pass
+        except Exception:  # a reward that swallows errors must still be stopped
+            pass
+
+
+def counts(**by_reason):
+    return [by_reason.get(r, 0) for r in FAILURE_REASONS]
+
+
+def score(guard, fn, *responses):
+    """The guarded rewards of `responses` (one batch: one worker thread), fallbacks for failures."""
+    calls = Calls()
+    calls.submit([Call(i, guard, fn, ("1+1=", r, "2"), as_reward) for i, r in enumerate(responses)])
+    outcomes = calls.wait_all()
+    return [guard.failed(outcomes[i]) if isinstance(outcomes[i], Failed) else outcomes[i]
+            for i in range(len(responses))]
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (raising, "raised"),
+    (sleeping, "timeout"),
+    (spinning, "timeout"),
+    (returning(float("nan")), "non_finite"),
+    (returning(float("inf")), "non_finite"),
+    (returning(-math.inf), "non_finite"),
+    (returning(1e39), "non_finite"),  # finite in float64, inf in the float32 it travels as
+    (returning(10 ** 400), "non_finite"),
+    (returning(None), "not_a_number"),
+    (returning("abc"), "not_a_number"),
+    (returning("1.0"), "not_a_number"),  # a string is a bug even when it parses
+    (returning(b"1"), "not_a_number"),
+    (returning([1.0]), "not_a_number"),
+    (returning(1 + 0j), "not_a_number"),
+    (returning(object()), "not_a_number"),
+])
+def test_each_failure_scores_the_fallback_and_is_counted(fn, reason, caplog):
+    guard = Guard("my_reward", timeout_s=0.2, fallback=-0.5)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="async_rl.reward"):
+        assert score(guard, fn, "2", "3") == [-0.5, -0.5]
+    assert time.monotonic() - started < 2.0  # two timeouts of 0.2 s, not two hangs
+    assert guard.totals == counts(**{reason: 2})
+    lines = [r for r in caplog.records if r.name == "async_rl.reward"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING and f"'{reason}'" in lines[0].getMessage()
+    assert "reward my_reward" in lines[0].getMessage() and "reward.fallback=-0.5" in lines[0].getMessage()
+    if reason == "raised":  # the first traceback, for the user to fix their code
+        assert lines[0].exc_info and lines[0].exc_info[0] is ValueError
+        assert "cannot parse" in lines[0].getMessage()
+
+
+def test_good_rewards_pass_through_unchanged():
+    for value, expected in [(1.0, 1.0), (0, 0.0), (-2.5, -2.5), (True, 1.0), (False, 0.0), (np.float32(0.25), 0.25),
+                            (np.int64(3), 3.0), (np.float64(1e30), 1e30)]:
+        guard = Guard("r", timeout_s=5.0)
+        [got] = score(guard, returning(value), "r")
+        assert got == expected and type(got) is float
+        assert guard.totals == counts()
+
+
+def test_one_log_line_per_reason_over_many_failures(caplog):
+    results = iter([None, float("nan"), "x", float("inf"), 1.0] * 20)
+
+    def flaky(prompt, response, answer):
+        value = next(results)
+        if value == 1.0:
+            raise RuntimeError("boom")
+        return value
+
+    guard = Guard("flaky", timeout_s=5.0)
+    with caplog.at_level(logging.WARNING, logger="async_rl.reward"):
+        assert score(guard, flaky, *["r"] * 100) == [0.0] * 100
+    assert guard.totals == counts(raised=20, non_finite=40, not_a_number=40)
+    messages = [r.getMessage() for r in caplog.records if r.name == "async_rl.reward"]
+    assert len(messages) == 3
+    assert sorted(m.split("further '")[1].split("'")[0] for m in messages) == ["non_finite", "not_a_number", "raised"]
+
+
+def test_a_hung_call_fails_alone_and_the_calls_behind_it_still_run():
+    """Calls submitted together run in one thread; one past its deadline moves the rest to another."""
+    guard = Guard("r", timeout_s=0.3)
+    slow = {1}
+
+    def reward(prompt, response, answer):
+        if int(response) in slow:
+            time.sleep(2.0)
+        return float(response)
+
+    started = time.monotonic()
+    assert score(guard, reward, "0", "1", "2", "3") == [0.0, 0.0, 2.0, 3.0]
+    assert time.monotonic() - started < 1.5
+    assert guard.totals == counts(timeout=1)
+
+
+def test_a_runaway_loop_is_stopped_not_left_spinning():
+    guard = Guard("r", timeout_s=0.2)
+    before = threading.active_count()
+    assert score(guard, spinning, "x") == [0.0]
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert threading.active_count() == before  # the interrupted thread has ended
+
+
+def test_no_signal_is_used_and_a_timer_set_by_someone_else_runs_on():
+    fired = []
+    before = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        guard = Guard("r", timeout_s=0.1)
+        assert score(guard, sleeping, "x") == [0.0] and guard.totals == counts(timeout=1)
+        assert 0.2 < signal.getitimer(signal.ITIMER_REAL)[0] <= 0.5
+        time.sleep(0.6)
+        assert fired == [1]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+def test_off_the_main_thread_the_timeout_holds_too():
+    out = {}
+
+    def work():
+        guard = Guard("r", timeout_s=0.1)
+        out["scores"] = score(guard, sleeping, "x"), guard.totals
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(10)
+    assert out["scores"] == ([0.0], counts(timeout=1))
+
+
+class Replies:
+    def __init__(self, value):
+        self.value = value
+
+    def step(self, action):
+        if isinstance(self.value, Exception):
+            raise self.value
+        return self.value
+
+
+@pytest.mark.parametrize("value,reason", [
+    (RuntimeError("boom"), "raised"),
+    ("done", "not_a_number"),
+    (Turn([{"role": "user"}]), "not_a_number"),
+    (Turn([("user", "x")]), "not_a_number"),
+    (Turn(reward="1"), "not_a_number"),
+    (Turn(reward=math.nan), "non_finite"),
+    (Turn(reward=1e39), "non_finite"),
+])
+def test_a_bad_environment_step_is_one_failure_of_its_reason(value, reason):
+    guard = Guard("my_env", timeout_s=5.0, kind="environment")
+    calls = Calls()
+    calls.submit([Call("step", guard, Replies(value).step, ("action",), checked_turn)])
+    [(key, outcome)] = calls.answers()
+    assert key == "step" and isinstance(outcome, Failed) and outcome.reason == reason
+    assert guard.failed(outcome) == 0.0 and guard.totals == counts(**{reason: 1})
+
+
+def test_a_good_turn_passes_and_a_bool_reward_counts_as_a_number():
+    turn = checked_turn(Turn([{"role": "tool", "content": "12"}], reward=True, done=True))
+    assert turn == Turn([{"role": "tool", "content": "12"}], 1.0, True)
+
+
+def test_a_factory_that_raises_or_makes_no_environment_fails_the_episode(caplog):
+    def broken(prompt):
+        raise KeyError("row")
+
+    guard = Guard("my_env", timeout_s=5.0, fallback=-1.0, kind="environment")
+    calls = Calls()
+    calls.submit([Call("a", guard, broken, ("p",), has_step)])
+    calls.submit([Call("b", guard, lambda prompt: object(), ("p",), has_step)])
+    outcomes = calls.wait_all()
+    assert outcomes["a"].reason == "raised" and "KeyError" in str(outcomes["a"])
+    assert outcomes["b"].reason == "not_a_number" and "has no step" in str(outcomes["b"])
+    with caplog.at_level(logging.WARNING, logger="async_rl.reward"):
+        for _ in range(3):
+            assert guard.failed(outcomes["a"]) == -1.0
+    assert len(caplog.records) == 1 and "environment my_env raised KeyError" in caplog.text
+
+
+def test_answers_come_as_calls_finish():
+    guard = Guard("r", timeout_s=5.0)
+    calls = Calls()
+    calls.submit([Call("slow", guard, time.sleep, (0.5,))])
+    calls.submit([Call("fast", guard, lambda: 7)])
+    assert calls.answers() == [("fast", 7)] and len(calls) == 1
+    assert calls.answers() == [("slow", None)] and len(calls) == 0
+    assert calls.answers() == []
+
+
+def _group(**changes):
+    g = 4
+    fields = dict(actor_id=1, group=0, prompt_id=0, version=0, prompt_tokens=np.zeros(3, np.int32),
+                  response_tokens=np.zeros(g * 2, np.int32), response_lengths=np.full(g, 2, np.int32),
+                  logprobs=np.zeros(g * 2, np.float32), token_versions=np.zeros(g * 2, np.int32),
+                  rewards=np.zeros(g, np.float32), truncated=np.zeros(g, np.uint8), gen_seconds=0.1)
+    return ExperienceGroup(**{**fields, **changes})
+
+
+def test_counts_travel_with_a_group_and_old_messages_mean_zero():
+    got = decode(encode(_group(reward_errors=[1, 0, 2, 1])))
+    assert got.reward_errors == [1, 0, 2, 1]
+    assert _group().reward_errors == counts()
+    with pytest.raises(WireError, match="bad_value"):  # more failures than samples
+        decode(encode(_group(reward_errors=[5, 0, 0, 0])))
+    assert decode(encode(_group(reward_errors=[4, 0, 0, 1], greedy_reward=0.0))).reward_errors == [4, 0, 0, 1]
+    errors, frac = step_errors([_group(reward_errors=[1, 0, 0, 0]), _group(reward_errors=[0, 1, 2, 0])])
+    assert errors == [1, 1, 2, 0] and frac == 4 / 8
+    assert step_errors([])[1] == 0.0
