@@ -49,12 +49,11 @@ def run_variant(args) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from async_rl.config import load_config
     from async_rl.actor.engines import make_engine
-    from async_rl.tasks.prompt_format import stop_token_ids
-    from async_rl.tasks.prompt_format import prompt_format_for
-    from async_rl.tasks import task_from_config
+    from async_rl.config import load_config
     from async_rl.run.processes import peak_rss_mb
+    from async_rl.tasks import task_from_config
+    from async_rl.tasks.prompt_format import prompt_format_for, stop_token_ids
 
     engine_name, dtype, *extra = args.worker.split(":")
     cfg = load_config(args.config, args.set)

@@ -4,9 +4,9 @@ copy of the same bytes.
     python analysis/bench_ipc.py [--model qwen2.5-0.5b|tiny] [--dtype float32] [--bucket-mb 16]
                                  [--reps 10] [--warmup 2] [--timeout-s 120] [--cpu]
 
-Rank 0 is this process: a real `WeightBroadcaster` (store, broadcast thread, double-
+Rank 0 is this process: a real `WeightSender` (store, broadcast thread, double-
 buffered bucket sets) on GPU 0. The actor is one spawned process on the same GPU
-holding a real `WeightReceiver`; sharing the learner's GPU, it takes the CUDA-IPC
+holding a real `ParameterReceiver`; sharing the learner's GPU, it takes the CUDA-IPC
 transport (sync.transport=auto). The parameters have the shapes of a real architecture
 (Qwen2.5-0.5B by default, from a meta-device skeleton: no weights are read), in the
 learner's wire dtype (float32 master weights).
@@ -39,9 +39,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from async_rl.weight_transfer.broadcaster import WeightBroadcaster  # noqa: E402
-from async_rl.weight_transfer.receiver import WeightReceiver
 from bench_learner import QWEN25_05B, TINY  # noqa: E402  (the learner benchmark's shapes)
+
+from async_rl.weight_transfer.receiver import ParameterReceiver
+from async_rl.weight_transfer.sender import WeightSender  # noqa: E402
 
 
 def model_specs(shape: dict, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -63,7 +64,7 @@ def actor(conn, specs, bucket_mb: float, timeout_s: float, device_name: str) -> 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     params = [(n, torch.zeros(shape, dtype=dt, device=device)) for n, shape, dt in specs]
-    receiver = WeightReceiver(params, bucket_mb=bucket_mb, backend="nccl" if device.type == "cuda" else "gloo",
+    receiver = ParameterReceiver(params, bucket_mb=bucket_mb, backend="nccl" if device.type == "cuda" else "gloo",
                               timeout_s=timeout_s)
     conn.send(("ready",))
     while True:
@@ -90,7 +91,7 @@ def run(args) -> dict:
     nbytes = sum(t.numel() * t.element_size() for _, t in source)
     flat_src = torch.randn(nbytes // dtype.itemsize, generator=g).to(dtype).to(device)
     flat_dst = torch.empty_like(flat_src)
-    bc = WeightBroadcaster(specs, bucket_mb=args.bucket_mb, host="127.0.0.1", backend="nccl" if cuda else "gloo",
+    bc = WeightSender(specs, bucket_mb=args.bucket_mb, host="127.0.0.1", backend="nccl" if cuda else "gloo",
                            device=device, timeout_s=args.timeout_s)
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()

@@ -5,9 +5,9 @@ flat-buffer broadcast of the same bytes, over the same process group.
                                   [--reps 15] [--warmup 2] [--dtype float32] [--threads 1]
                                   [--link-mbit 1000]
 
-Rank 0 is this process: a real `WeightBroadcaster` (its TCPStore, its background
+Rank 0 is this process: a real `WeightSender` (its TCPStore, its background
 broadcast thread, its double-buffered bucket sets). The receivers are N spawned
-processes, each a real `WeightReceiver` holding its own copy of the parameters (as
+processes, each a real `ParameterReceiver` holding its own copy of the parameters (as
 views of its buckets, as in an actor). Backend: gloo on CPU over loopback; NCCL with
 device buckets, sent from a side stream, when CUDA is available (one GPU per rank
 needed: NCCL refuses two ranks on one device; an actor sharing the learner's GPU
@@ -35,7 +35,7 @@ first also builds the group) are excluded and medians reported:
             straight into its parameters (views of its persistent buckets: no copy);
             timed from the publish call until every receiver has returned and the
             broadcaster has counted the sync complete. On gloo the buckets go down a
-            pipelined chain (async_rl/weight_sync/gloo_chain.py; `schedule` in the
+            pipelined chain (async_rl/weight_transfer/gloo_chain.py; `schedule` in the
             output), which one flat buffer cannot: that, not the bucketing itself,
             is where the bucketed path gains on the reference
   nocopy    the same bucket plan and schedule, from/into preallocated buckets, nothing
@@ -76,10 +76,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from async_rl.weight_transfer.broadcaster import WeightBroadcaster  # noqa: E402
-from async_rl.weight_transfer.receiver import WeightReceiver
-from async_rl.weight_transfer.collective import broadcast
 from async_rl.weight_transfer.gloo_chain import chained, receive_chain, send_chain  # noqa: E402
+from async_rl.weight_transfer.groups import broadcast
+from async_rl.weight_transfer.receiver import ParameterReceiver
+from async_rl.weight_transfer.sender import WeightSender  # noqa: E402
 
 MODES = ("flat", "bucketed", "nocopy")
 
@@ -153,7 +153,7 @@ def worker(conn, rank: int, threads: int, device_name: str, namespace: str | Non
             if op == "setup":
                 _, specs, bucket_mb, backend, timeout_s = msg
                 params = [(n, torch.zeros(shape, dtype=dt, device=device)) for n, shape, dt in specs]
-                receiver = WeightReceiver(params, bucket_mb=bucket_mb, backend=backend, timeout_s=timeout_s)
+                receiver = ParameterReceiver(params, bucket_mb=bucket_mb, backend=backend, timeout_s=timeout_s)
                 flat = torch.empty(sum(numel_of(s) for _, s, _ in specs), dtype=specs[0][2], device=device)
                 buckets = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in receiver.plan]
                 conn.send(("ok",))
@@ -233,7 +233,7 @@ class Bench:
         dtype = specs[0][2]
         nbytes = total_numel * torch.empty((), dtype=dtype).element_size()
         flat = torch.randn(total_numel, generator=g).to(dtype).to(dev)
-        bc = WeightBroadcaster(specs, bucket_mb=bucket_mb, host=self.host, backend=self.backend, device=dev,
+        bc = WeightSender(specs, bucket_mb=bucket_mb, host=self.host, backend=self.backend, device=dev,
                                timeout_s=self.timeout_s)
         nocopy = [torch.randn(b.numel, generator=g).to(b.dtype).to(dev) for b in bc.plan]
         self.tell(("setup", specs, bucket_mb, self.backend, self.timeout_s))

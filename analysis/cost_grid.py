@@ -111,8 +111,8 @@ def predict(base_dir: Path, cell: str, cell_dir: Path, prompt_tokens: float, cor
 
 
 def mean_prompt_tokens(cfg, n: int = 64) -> float:
-    from async_rl.tasks.prompt_format import prompt_format_for
     from async_rl.tasks import task_from_config
+    from async_rl.tasks.prompt_format import prompt_format_for
 
     task, fmt = task_from_config(cfg.task, cfg.seed), prompt_format_for(cfg.model.path, cfg.task)
     return statistics.mean(len(fmt.encode(task.train_prompt(i))) for i in range(n))

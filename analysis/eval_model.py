@@ -19,7 +19,6 @@ import json
 import sys
 import time
 
-import numpy as np
 import torch
 
 

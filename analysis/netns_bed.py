@@ -160,7 +160,7 @@ class Bed:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
         self._namespaces.clear()
 
-    def __enter__(self) -> "Bed":
+    def __enter__(self) -> Bed:
         return self
 
     def __exit__(self, *exc) -> None:

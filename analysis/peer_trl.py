@@ -96,9 +96,8 @@ def run(args) -> int:
     from async_rl.actor.engines.torch_engine import TorchEngine
     from async_rl.actor.rollout.rollout import Rollout
     from async_rl.coordinator.eval_rounds import summarize
-    from async_rl.tasks.prompt_format import stop_token_ids
-    from async_rl.tasks.prompt_format import prompt_format_for
     from async_rl.tasks import task_from_config
+    from async_rl.tasks.prompt_format import prompt_format_for, stop_token_ids
 
     run_dir = args.out
     cfg = load_run_config(args.config, args.seed, args.set, args.max_steps, args.eval_every, args.model)

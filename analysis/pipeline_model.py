@@ -2,13 +2,13 @@
 samples/s, learner idle fraction and the staleness distribution, from component rates.
 
 The model (one heapq of (time, seq, callback) events):
-- Actor (roles/actor.py, coordinator.py): a work request is answered at once with a sync
+- Actor (actor/process.py, coordinator/coordinator.py): a work request is answered at once with a sync
   order (a broadcast is in flight that this actor has not received), else a grant of
   min(groups_per_request, admission_limit - admitted) groups (async_rl/staleness.py,
-  the rule admission.py enforces; v = the actor's weight version), else Wait: sleep 0.02 s, ask again. n granted groups take
+  the rule coordinator/admission.py enforces; v = the actor's weight version), else Wait: sleep 0.02 s, ask again. n granted groups take
   n * (gen + overhead) seconds and reach the buffer together. A request costs
   `request_seconds`.
-- Learner (roles/learner.py): takes groups B*k .. B*k+B-1 (admission order) once all
+- Learner (learner/loop.py): takes groups B*k .. B*k+B-1 (admission order) once all
   have arrived (that wait is its idle time), trains `step_seconds`, version += 1, every
   sync.every steps gathers `sync_seconds` and publishes, logs the step, then spends
   `log_seconds` (metrics logging, after the publish) and the evaluation and checkpoint
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from async_rl.staleness import admission_limit, staleness
 
-POLL_SECONDS = 0.02  # the coordinator's Wait reply when admission blocks (roles/coordinator.py)
+POLL_SECONDS = 0.02  # the coordinator's Wait reply when admission blocks (coordinator/coordinator.py)
 
 
 @dataclass

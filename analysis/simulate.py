@@ -51,6 +51,7 @@ from pipeline_model import Params, default_skip, simulate, stationary, window_su
 
 from async_rl.run.directory import load_run, step_staleness_counts
 
+
 # -- calibration from a run directory ---------------------------------------------------------
 def _cv(xs: list[float]) -> float:
     mean = statistics.mean(xs) if xs else 0.0

@@ -43,8 +43,8 @@ RUN_NAME = re.compile(r"^(" + "|".join(LOSSES) + r")-s(\d+)$")
 def read_run(run_dir: Path, target: float) -> dict | None:
     """The sweep's figures for one run, from metrics.jsonl; None before its first evaluation."""
     lines = RunDir(run_dir).metrics()
-    steps = [l for l in lines if is_step(l)]
-    evals = [l for l in lines if is_eval(l)]
+    steps = [line for line in lines if is_step(line)]
+    evals = [line for line in lines if is_eval(line)]
     if not evals:
         return None
     return {
@@ -72,8 +72,7 @@ def base_model(args: argparse.Namespace) -> Path:
     if args.model:
         return args.model.resolve()
     from async_rl.config import load_config
-    from async_rl.models.demo import build_demo_model
-    from async_rl.models.demo import INFO_FILE
+    from async_rl.models.demo import INFO_FILE, build_demo_model
     from async_rl.tasks import task_from_config
 
     cfg = load_config(args.config, [f"seed={args.seed}", *args.set])
@@ -217,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no run directories (<loss>-s<max_staleness>) in {args.out}", file=sys.stderr)
             return 1
         etas = sorted({int(eta) for _, eta in found})
-        losses = [loss for loss in LOSSES if loss in {l for l, _ in found}]
+        losses = [loss for loss in LOSSES if loss in {line for line, _ in found}]
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
         header = meta.get("header", f"Staleness sweep in `{args.out}`.")
         print(report(args.out, etas, losses, set(meta.get("failed", [])), args.target, header), end="")

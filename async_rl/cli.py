@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
         faulthandler.enable()  # a crash in native code (gloo, BLAS) still prints where each thread was
         from async_rl.actor.process import run_actor  # the heavy imports come before any waiting
-        from async_rl.run.processes import exit_now
         from async_rl.models.loading import preload_model_libraries
+        from async_rl.run.processes import exit_now
 
         hub = args.hub
         if hub is None:

@@ -8,7 +8,7 @@ A response's, and its prompt group's, version is that of its OLDEST token, so a
 group consumed at learner version V has staleness V - version and staleness is never
 understated.
 
-The bound (AReaL's admission rule, made exact in admission.py): the group with
+The bound (AReaL's admission rule, made exact in coordinator/admission.py): the group with
 admission index i is consumed at version floor(i / B) (B = train.batch_groups), so
 admitting it to an actor at version v only while i < (eta + v + 1) * B keeps every
 staleness <= eta = max_staleness.

@@ -160,11 +160,11 @@ def running_coordinator(run_dir: Path, config: dict, **options):
     from async_rl.config import build_config
     from async_rl.coordinator.coordinator import Coordinator
     from async_rl.tasks import make_task
-    from async_rl.weight_transfer.broadcaster import WeightBroadcaster
+    from async_rl.weight_transfer.sender import WeightSender
 
     cfg = build_config({"max_staleness": 0, "learner": {"ranks": 1}, "transport": {"timeout_s": 5}, **config})
     task = make_task("arithmetic", seed=0)
-    bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
+    bc = WeightSender([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=5)
     coord = Coordinator(cfg, task, bc, run_dir, **options)
     coord.start()

@@ -27,8 +27,9 @@ import numbers
 import queue
 import threading
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any
 
 import numpy as np
 

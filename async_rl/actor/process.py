@@ -32,10 +32,24 @@ from async_rl.run.processes import peak_rss_mb
 from async_rl.run.tracing import SpanRecorder, WaitSpan, now_us, spans_to_arrays
 from async_rl.tasks import task_from_config
 from async_rl.tasks.prompt_format import prompt_format_for, stop_token_ids
-from async_rl.weight_transfer.receiver import WeightReceiver
+from async_rl.weight_transfer.receiver import ParameterReceiver
 from async_rl.weight_transfer.vllm.api import VLLMUnavailable
-from async_rl.wire import (EvalGrant, EvalResult, Goodbye, Heartbeat, Hello, SyncOrder, TraceSpans, Wait, Welcome,
-                           WireLimits, WorkGrant, WorkRequest, encode, send)
+from async_rl.wire import (
+    EvalGrant,
+    EvalResult,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    SyncOrder,
+    TraceSpans,
+    Wait,
+    Welcome,
+    WireLimits,
+    WorkGrant,
+    WorkRequest,
+    encode,
+    send,
+)
 from async_rl.wire.curve import secure_client
 
 log = logging.getLogger("async_rl.actor")
@@ -117,7 +131,7 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         sync_args = dict(bucket_mb=cfg.sync.bucket_mb, backend=collective_backend(device), timeout_s=cfg.sync.timeout_s)
         make_receiver = getattr(engine, "weight_receiver", None)  # engines whose weights live elsewhere (vLLM)
         receiver = (make_receiver(**sync_args) if make_receiver is not None
-                    else WeightReceiver(engine.parameters_for_sync(), staged=cfg.sync.stage_on_actors, **sync_args))
+                    else ParameterReceiver(engine.parameters_for_sync(), staged=cfg.sync.stage_on_actors, **sync_args))
         push = ctx.socket(zmq.PUSH)
         if keys_dir:
             secure_client(push, keys_dir)

@@ -17,7 +17,6 @@ import torch
 from async_rl.algorithms.config import AGG_MODES
 
 
-
 def _check_agg(agg: str) -> None:
     if agg not in AGG_MODES:
         raise ValueError(f"unknown aggregation {agg!r}; expected one of {', '.join(AGG_MODES)}")

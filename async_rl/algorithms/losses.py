@@ -21,7 +21,7 @@ from async_rl.algorithms.step_metrics import Figure, Mean
 if TYPE_CHECKING:
     from async_rl.algorithms.config import OPMDLoss, PPOLoss
 
-# Logged on every step line whatever the loss (DESIGN.md lists is/clip_frac).
+# Logged on every step line whatever the loss (the run directory contract lists is/clip_frac).
 CLIP_FRACTIONS: tuple[str, ...] = (
     "is/clip_frac", "is/clip_frac_low", "is/clip_frac_high", "is/dual_clip_frac", "is/capped_frac")
 

@@ -25,8 +25,9 @@ the minibatch mean: the gradient of one process training on the whole minibatch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -52,7 +53,7 @@ class Units:
     tokens: float  # response tokens: the value loss
 
     @classmethod
-    def of(cls, policy_loss: CountsUnits, mask: torch.Tensor, group: torch.Tensor, agg: str) -> "Units":
+    def of(cls, policy_loss: CountsUnits, mask: torch.Tensor, group: torch.Tensor, agg: str) -> Units:
         return cls(policy_loss.units(mask, group, agg), agg_denominator(mask, agg), float(mask.sum()))
 
 
@@ -73,7 +74,7 @@ class Shares:
     value: float
 
     @classmethod
-    def of(cls, micro: Units, minibatch: Units) -> "Shares":
+    def of(cls, micro: Units, minibatch: Units) -> Shares:
         return cls(micro.policy / minibatch.policy, micro.agg / minibatch.agg, micro.tokens / minibatch.tokens)
 
 

@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from async_rl.algorithms.config import IS_MODES
-
 from async_rl.algorithms.aggregation import aggregate
-
+from async_rl.algorithms.config import IS_MODES
 
 
 def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:

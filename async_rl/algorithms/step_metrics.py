@@ -30,7 +30,7 @@ class Mean(NamedTuple):
     weight: float
 
     @classmethod
-    def of(cls, mean: float, weight: float) -> "Mean":
+    def of(cls, mean: float, weight: float) -> Mean:
         """A mean over `weight` units, kept as its total."""
         return cls(mean * weight, weight)
 
@@ -63,7 +63,7 @@ class StepMetrics:
         for key, figure in figures.items():
             self.add(key, figure)
 
-    def zeros_into(self) -> "StepMetrics":
+    def zeros_into(self) -> StepMetrics:
         """A sink whose every add reaches this one as a zero figure of the same key and
         type: the work it records keeps the keys every rank must add, not its values."""
         return _ZeroSink(self)

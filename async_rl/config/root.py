@@ -36,7 +36,7 @@ class Config(Section):
     security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @model_validator(mode="after")
-    def _across_sections(self) -> "Config":
+    def _across_sections(self) -> Config:
         for rule in RULES:
             problem = rule(self)
             if problem:

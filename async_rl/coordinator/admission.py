@@ -1,7 +1,7 @@
 """Staleness admission control (AReaL-style, made exact for out-of-order arrival).
 
 Admission index i counts prompt groups in the order they are granted. The learner
-consumes groups strictly in admission order, so the bound of staleness.py
+consumes groups strictly in admission order, so the bound of async_rl/staleness.py
 (i < admission_limit(eta, v, B)) keeps every group's staleness <= eta. The actor's
 *own* version is used, not the learner's, because actors may lag the learner between
 weight syncs.

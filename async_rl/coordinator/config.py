@@ -17,7 +17,7 @@ class EvalConfig(Section):
     threads: int | None = Field(None, ge=1, description="An actor's torch threads while it evaluates (null = actors.threads).")
 
     @model_validator(mode="after")
-    def _k_samples_differ(self) -> "EvalConfig":
+    def _k_samples_differ(self) -> EvalConfig:
         if self.pass_k > 1 and self.temperature == 0.0:
             raise ValueError("eval.pass_k: greedy decoding gives k identical samples; set eval.temperature > 0")
         return self

@@ -2,12 +2,12 @@
 
 It owns the prompt cursor (admission index = prompt index), admission control, the
 replay buffer, the actor registry (actor_registry.py), the weight-sync membership and
-the evaluation rounds (evaluation.py). A prompt longer than the run's prompt limit is
+the evaluation rounds (eval_rounds.py). A prompt longer than the run's prompt limit is
 never granted: its slot is marked skipped in the buffer, counted and logged. Actors
 talk to it through the hub (hub.py): hello / work / heartbeat / sync-done / goodbye
 requests, timeline spans with the heartbeats, experience pushed separately. Anything
 inconsistent with the coordinator's state is rejected and counted like an invalid
-message. Valid spans go to the run's trace writer (tracing.py).
+message. Valid spans go to the run's trace writer (run/tracing.py).
 
 The learner uses it through a few calls: `take` a batch, `advance` the version,
 `counters` for its metrics line, `request_eval` / `eval_results`, `snapshot` /
@@ -25,18 +25,33 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from async_rl.coordinator.admission import Admission
 from async_rl.config import Config, to_yaml
-from async_rl.coordinator.eval_rounds import EvalRounds, eval_prompt_ids
-from async_rl.coordinator.replay_buffer import ReplayBuffer, Taken
-from async_rl.tasks.base import Task
-from async_rl.run.tracing import TraceWriter
-from async_rl.wire.messages import FAILURE_REASONS
-from async_rl.wire import (EvalResult, ExperienceGroup, Goodbye, Heartbeat, Hello, RejectCounter, SyncDone, SyncOrder,
-                         TraceSpans, Wait, Welcome, WireLimits, WorkGrant, WorkRequest, claimed_group)
-from async_rl.weight_transfer.broadcaster import WeightBroadcaster
 from async_rl.coordinator.actor_registry import ActorInfo, ActorRegistry
+from async_rl.coordinator.admission import Admission
+from async_rl.coordinator.eval_rounds import EvalRounds, eval_prompt_ids
 from async_rl.coordinator.hub import Hub
+from async_rl.coordinator.replay_buffer import ReplayBuffer, Taken
+from async_rl.run.tracing import TraceWriter
+from async_rl.tasks.base import Task
+from async_rl.weight_transfer.sender import WeightSender
+from async_rl.wire import (
+    EvalResult,
+    ExperienceGroup,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    RejectCounter,
+    SyncDone,
+    SyncOrder,
+    TraceSpans,
+    Wait,
+    Welcome,
+    WireLimits,
+    WorkGrant,
+    WorkRequest,
+    claimed_group,
+)
+from async_rl.wire.messages import FAILURE_REASONS
 
 log = logging.getLogger("async_rl.coordinator")
 
@@ -55,12 +70,12 @@ class Grant:
 
 
 class Coordinator:
-    def __init__(self, cfg: Config, task: Task, broadcaster: WeightBroadcaster, run_dir: Path,
+    def __init__(self, cfg: Config, task: Task, sender: WeightSender, run_dir: Path,
                  trace: TraceWriter | None = None, prompt_length=None, prompt_limit: int | None = None):
         """`trace`: where the actors' timeline spans go (the learner's writer; by default
         one of our own that nobody writes out). `prompt_length(prompt)`: its length in
         tokens as the actors will encode it; prompts over `prompt_limit` are skipped."""
-        self.cfg, self.task, self.broadcaster, self.run_dir = cfg, task, broadcaster, run_dir
+        self.cfg, self.task, self.sender, self.run_dir = cfg, task, sender, run_dir
         self.prompt_length, self.prompt_limit = prompt_length, prompt_limit
         self._too_long_streak = 0  # prompts skipped since the last one granted (all too long: a config error)
         self.evals = EvalRounds(eval_prompt_ids(task, cfg.eval.size), cfg.eval.batch_size)
@@ -233,16 +248,16 @@ class Coordinator:
     def _answer_work(self, actor: ActorInfo, req: WorkRequest):
         if self._stopping.is_set():
             return Goodbye(reason="run finished")
-        if req.max_groups > 0:  # intact weights: evaluation first, also before a sync (see evaluation.py)
+        if req.max_groups > 0:  # intact weights: evaluation first, also before a sync (see eval_rounds.py)
             grant = self.evals.grant(actor.actor_id, req.version, self.actors.ready_versions())
             if grant is not None:
                 return grant
-        job = self.broadcaster.job()
+        job = self.sender.job()
         # Every member must join each broadcast, also one that already holds these
         # weights: a membership change needs the new epoch's group formed by all.
         if job is not None and actor.actor_id in job.members and actor.synced != (job.epoch, job.version):
             return SyncOrder(epoch=job.epoch, rank=job.rank_of(actor.actor_id), world_size=len(job.members) + 1,
-                             store_host=self.broadcaster.host, store_port=self.broadcaster.port, version=job.version)
+                             store_host=self.sender.host, store_port=self.sender.port, version=job.version)
         # Past the last step the learner takes no more batches.
         wanted = req.max_groups if self.version < self.cfg.train.max_steps else 0
         indices, prompts = [], []
@@ -310,12 +325,12 @@ class Coordinator:
             self._remove(actor.actor_id, f"no heartbeat for {timeout:.0f}s")
 
     def _membership_changed(self) -> None:
-        self.broadcaster.set_members(self.actors.ready_ids())
+        self.sender.set_members(self.actors.ready_ids())
         self._write_endpoints()
 
     def _write_endpoints(self) -> None:
         data = {"hub": self.hub_addr, "experience": self.experience_addr,
-                "store": f"{self.broadcaster.host}:{self.broadcaster.port}", "learner_pid": os.getpid(),
+                "store": f"{self.sender.host}:{self.sender.port}", "learner_pid": os.getpid(),
                 "actors": self.actors.describe()}
         tmp = self.run_dir / "endpoints.json.tmp"
         tmp.write_text(json.dumps(data, indent=1))

@@ -6,7 +6,7 @@ the prediction of token t+1, matching `logits[:, :-1]`.
 Rank 0 sends every other rank its whole groups in the sample format (ragged, as they
 came from the actors) and keeps its own; each rank builds its own rows. Every rank gets whole groups because
 `batch_groups` is a multiple of the learner world size, so group advantages can be
-computed on each rank (see train_step.py).
+computed on each rank (see step.py).
 """
 from __future__ import annotations
 
@@ -40,14 +40,14 @@ class Batch:
     # last policy token (process rewards, algorithms/advantages.py).
     step_rewards: torch.Tensor
 
-    def rows(self, start: int, stop: int) -> "Batch":
+    def rows(self, start: int, stop: int) -> Batch:
         return Batch(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
 
-    def take(self, index: torch.Tensor | slice) -> "Batch":
+    def take(self, index: torch.Tensor | slice) -> Batch:
         """The rows at `index` (int64 row numbers, in that order, or a slice)."""
         return Batch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
-    def to(self, device: torch.device) -> "Batch":
+    def to(self, device: torch.device) -> Batch:
         return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 

@@ -3,7 +3,7 @@ and coordinator's state) and the final Hugging Face directory.
 
 A checkpoint is written under `step_NNNNNN.partial` and renamed when every file is
 complete: the rename is the commit point, so `--resume` never sees a half-written one.
-Just before it, rank 0 writes `manifest.json` (checkpoint_integrity.py): a committed
+Just before it, rank 0 writes `manifest.json` (run/checkpoints.py): a committed
 checkpoint whose files were damaged later is detected, set aside as `step_N.damaged`,
 and `--resume` falls back to the newest intact one.
 """

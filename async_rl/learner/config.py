@@ -6,7 +6,15 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from async_rl.algorithms.config import AdvantageConfig, AggMode, GroupAdvantage, KLConfig, LossConfig, OverlongConfig, PPOLoss
+from async_rl.algorithms.config import (
+    AdvantageConfig,
+    AggMode,
+    GroupAdvantage,
+    KLConfig,
+    LossConfig,
+    OverlongConfig,
+    PPOLoss,
+)
 from async_rl.config.section import Section, choice
 
 

@@ -6,7 +6,7 @@ the services beside it, runs the loop (loop.py), and turns a failure into
 its reason and traceback in RUN_DIR/logs/learner-rankN.err, the reason in status.json
 (rank 0), and one console line. Under `async-rl train` (ASYNC_RL_LAUNCHER set) the
 console line is the launcher's, naming the root cause among the ranks' failures
-(learner_world.py); under launch/learner.sh each failing rank prints its own.
+(world.py); under launch/learner.sh each failing rank prints its own.
 """
 from __future__ import annotations
 
@@ -15,22 +15,22 @@ import faulthandler
 import logging
 import os
 import signal
-import threading
 import sys
+import threading
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from async_rl.config import Config, ConfigError, load_config
-from async_rl.run.lock import RunLock
-from async_rl.run.status import EXIT_CONFIG, LAUNCHER_ENV, write_status
-from async_rl.run.processes import die_with_parent
-from async_rl.models.loading import quiet_libraries
-from async_rl.device import resolve_device, collective_backend
+from async_rl.device import collective_backend, resolve_device
 from async_rl.learner.loop import Loop
 from async_rl.learner.services import Followers, Rank0Services
 from async_rl.learner.trainer import Trainer
+from async_rl.models.loading import quiet_libraries
+from async_rl.run.lock import RunLock
+from async_rl.run.processes import die_with_parent
+from async_rl.run.status import EXIT_CONFIG, LAUNCHER_ENV, write_status
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,13 +20,13 @@ from async_rl.device import collective_backend
 from async_rl.learner.checkpoint import BUFFER_FILE, read_groups, save_hf_model, write_groups
 from async_rl.learner.health import RunHealth
 from async_rl.learner.step_data import StepData, measure_step
-from async_rl.learner.trainer import Params, Trainer, drain
+from async_rl.learner.trainer import Trainer, drain
 from async_rl.lora.adapters import save_lora_final
 from async_rl.run.metrics import MetricsLogger
 from async_rl.run.tracing import SpanRecorder, TraceWriter
 from async_rl.tasks import task_from_config
 from async_rl.tasks.prompt_format import prompt_format_for, prompt_limit
-from async_rl.weight_transfer.broadcaster import WeightBroadcaster
+from async_rl.weight_transfer.sender import WeightSender
 
 log = logging.getLogger("async_rl.learner")
 
@@ -55,7 +55,7 @@ class Rank0Services:
         self.sync_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)  # as they travel
         # vLLM's weight transfer carries whole models; LoRA adapters reach vLLM actors over the plain sync.
         engine = "torch" if trainer.synced is not None else cfg.actors.engine.name
-        self.sender = WeightBroadcaster(specs, bucket_mb=cfg.sync.bucket_mb, host=cfg.transport.host,
+        self.sender = WeightSender(specs, bucket_mb=cfg.sync.bucket_mb, host=cfg.transport.host,
                                         backend=collective_backend(trainer.device), device=trainer.device,
                                         timeout_s=cfg.sync.timeout_s, transport=cfg.sync.transport,
                                         port=cfg.transport.store_port, engine=engine,

@@ -9,7 +9,6 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-
 log = logging.getLogger("async_rl.learner")
 
 

@@ -31,21 +31,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from async_rl.algorithms.advantages import ADVANTAGES, AdvantageInputs
 from async_rl.algorithms.aggregation import aggregate
 from async_rl.algorithms.gae import value_loss as critic_loss
 from async_rl.algorithms.importance import off_policy_figures
 from async_rl.algorithms.kl import kl_estimate
-from async_rl.algorithms.normalization import global_units
-from async_rl.algorithms.overlong import overlong_filter, overlong_penalty
-from async_rl.algorithms.token_logp import chosen_logp
-from async_rl.learner import packing
-from async_rl.algorithms.advantages import ADVANTAGES, AdvantageInputs
 from async_rl.algorithms.losses import LOSSES, LossInputs
+from async_rl.algorithms.normalization import Shares, Units, backward_share, global_units
+from async_rl.algorithms.overlong import overlong_filter, overlong_penalty
 from async_rl.algorithms.step_metrics import Count, Mean, StepMetrics
-from async_rl.algorithms.normalization import Shares, Units, backward_share
+from async_rl.algorithms.token_logp import chosen_logp
+from async_rl.config import Config
+from async_rl.learner import packing
 from async_rl.learner.batching import Batch
 from async_rl.learner.models import Models
-from async_rl.config import Config
 
 Micro = tuple[int, int]  # a micro-batch: [start, stop) rows of whole groups
 
@@ -102,10 +101,10 @@ class Prepared:
     ref: torch.Tensor | None  # reference log-probs (KL)
     values: torch.Tensor | None  # the critic's values the advantages came from
 
-    def rows(self, start: int, stop: int) -> "Prepared":
+    def rows(self, start: int, stop: int) -> Prepared:
         return self.take(slice(start, stop))
 
-    def take(self, index: torch.Tensor | slice) -> "Prepared":
+    def take(self, index: torch.Tensor | slice) -> Prepared:
         def cut(x):
             return None if x is None else x[index]
 

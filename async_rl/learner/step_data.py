@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from async_rl.config import Config
+from async_rl.coordinator.replay_buffer import Taken
 from async_rl.learner.health import RunHealth
 from async_rl.run.metrics import batch_histograms, generations_table, version_mix
-from async_rl.coordinator.replay_buffer import Taken
 from async_rl.wire.messages import FAILURE_REASONS, zero_counts
 
 

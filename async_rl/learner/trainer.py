@@ -9,8 +9,8 @@ services.py's; loop.py runs the two together.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist

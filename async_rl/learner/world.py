@@ -8,7 +8,7 @@ one reason in status.json, which the launcher prints as its one line with the
 `--resume` command. The reason names the root cause: a rank killed by a signal from
 outside (its peers' "connection closed" errors follow from it), else the rank whose
 error was written first. launch/learner.sh runs it too (there is no launcher
-to print the line: the ranks print their own, see learner_process.py, and the script
+to print the line: the ranks print their own, see process.py, and the script
 prints the `--resume` command). With several learner nodes each writes its own log,
 torchrun-node<K>.log, and node 0 alone the status.
 """

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 from async_rl.config import Config, ConfigError
-from async_rl.tasks.prompt_format import prompt_format_for
-from async_rl.tasks import task_from_config
 from async_rl.device import resolve_device
+from async_rl.tasks import task_from_config
+from async_rl.tasks.prompt_format import prompt_format_for
 
 log = logging.getLogger("async_rl.launch")
 
@@ -109,8 +109,8 @@ def check_task(cfg: Config) -> None:
 def check_environment(cfg: Config, task, prompt_format) -> None:
     """env.name loads, makes an environment for a sample prompt, and the chat template
     lets turns be appended: else one line (exit 2). A file path is made absolute."""
-    from async_rl.actor.rollout.turns import TurnFormat
     from async_rl.actor.environments.registry import environment_factory
+    from async_rl.actor.rollout.turns import TurnFormat
 
     name = cfg.env.name
     if ".py:" in name and not Path(name.rsplit(":", 1)[0]).is_absolute():

@@ -9,8 +9,8 @@
       metrics.jsonl    one JSON object per learner step and per evaluation
       status.json      how the learner ended: {"exit_code": int, "reason": str}
       endpoints.json   the hub's addresses and the pids of the learner and live actors
-      trace.json       the timeline, Chrome trace format (async_rl/tracing.py)
-      checkpoints/     resumable checkpoints (async_rl/checkpoint.py)
+      trace.json       the timeline, Chrome trace format (run/tracing.py)
+      checkpoints/     resumable checkpoints (learner/checkpoint.py)
       final/           the trained model, a Hugging Face directory (LoRA: a peft adapter)
       logs/ tb/        process logs; TensorBoard events
       base_model/      the demo model a run with model.path=demo starts from
@@ -46,7 +46,7 @@ TENSORBOARD_DIR = "tb"
 BASE_MODEL_DIR = "base_model"
 ANALYSIS_DIR = "analysis"
 
-# What tells the two kinds of metrics.jsonl line apart (DESIGN.md: step lines carry
+# What tells the two kinds of metrics.jsonl line apart (docs/observability.md: step lines carry
 # loss/total, evaluation lines eval/accuracy).
 STEP_MARK = "loss/total"
 EVAL_MARK = "eval/accuracy"

@@ -1,6 +1,6 @@
 """`async-rl train`: one machine, one process per role.
 
-Takes the run directory's lock (run_lock.py), spawns the learner world with torchrun
+Takes the run directory's lock (lock.py), spawns the learner world with torchrun
 and the actors, which start up while the learner does and join its hub once the
 coordinator publishes its endpoints, and restarts an actor that dies (at most
 actors.max_restarts times). Ctrl-C, SIGTERM and SIGHUP stop the run the same way: the
@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from async_rl.run.checkpoints import latest_intact_checkpoint
 from async_rl.config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
-from async_rl.run.lock import RunLock
-from async_rl.run.directory import RunDir
-from async_rl.run.checks import check_engine, check_lora, check_task, task_of
-from async_rl.run.status import LAUNCHER_ENV, write_status
-from async_rl.run.processes import child_of
 from async_rl.device import resolve_device
+from async_rl.run.checkpoints import latest_intact_checkpoint
+from async_rl.run.checks import check_engine, check_lora, check_task, task_of
+from async_rl.run.directory import RunDir
+from async_rl.run.lock import RunLock
+from async_rl.run.processes import child_of
+from async_rl.run.status import LAUNCHER_ENV, write_status
 
 log = logging.getLogger("async_rl.launch")
 GRACE_S = 30.0
@@ -100,8 +100,7 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
 def ensure_demo_model(cfg: Config, target: Path) -> Path:
     """The demo model for cfg's seed and task, warm-started into `target` unless a
     complete one is there (its INFO_FILE is written last)."""
-    from async_rl.models.demo import build_demo_model
-    from async_rl.models.demo import INFO_FILE, VLLM_HEAD_DIM
+    from async_rl.models.demo import INFO_FILE, VLLM_HEAD_DIM, build_demo_model
 
     if not (target / INFO_FILE).exists():
         log.info("building the demo model (with supervised warm start) in %s", target)
@@ -229,7 +228,7 @@ def train(cfg: Config, resume: str | None = None) -> int:
     _say(f"run directory {run_dir}" + (f", resuming from {checkpoint.name}" if checkpoint else ""))
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
-    # torchrun, with its failure report sent to logs/ (learner_world.py).
+    # torchrun, with its failure report sent to logs/ (learner/world.py).
     learner_cmd = [sys.executable, "-m", "async_rl.learner.world", str(run_dir), "--standalone",
                    f"--nproc-per-node={cfg.learner.ranks}", "-m", "async_rl.learner",
                    str(run_dir / "config.yaml"), *(["--resume", str(checkpoint)] if checkpoint else [])]

@@ -27,7 +27,7 @@ class RunLock:
     def fd(self) -> int | None:
         return self._fd
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         """Take the lock or raise ConfigError naming the holder (exit 2)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.created = not self.path.exists()

@@ -11,15 +11,16 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from async_rl.run.directory import RunDir
 
-# Keys every step line carries (DESIGN.md contract); tests check them against this list.
+# Keys every step line carries (the run directory contract, docs/observability.md); tests check them against this list.
 STEP_KEYS = (
     "step", "version", "time", "train/reward_mean", "train/samples", "loss/total",
     "staleness/mean", "staleness/max", "staleness/dropped", "is/ess", "is/clip_frac",

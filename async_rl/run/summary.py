@@ -15,7 +15,7 @@ def summary_lines(run_dir: Path) -> list[str]:
     run = RunDir(run_dir)
     steps, evals = run.steps_and_evals()
     # Evaluation lines arrive when the actors finish a round, possibly after later steps.
-    evals = sorted(evals, key=lambda l: l["step"])
+    evals = sorted(evals, key=lambda line: line["step"])
     if not steps:
         return []
     last = steps[-1]

@@ -15,7 +15,7 @@ other machines bring their own clocks.
   trace.json atomically at each checkpoint and at the end of the run, with the drop
   counts in "otherData".
 
-async_rl/run_dir.py (`read_trace`) reads the file; the span names below are what the
+async_rl/run/directory.py (`read_trace`) reads the file; the span names below are what the
 analysis scripts look for, so they are a contract.
 """
 from __future__ import annotations
@@ -27,9 +27,10 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from async_rl.tasks.arithmetic import ArithmeticTask, exact_match
 from async_rl.tasks.base import EVAL_ID_OFFSET, Prompt, RewardFn, Task, is_eval_id
-from async_rl.tasks.rewards import load_reward_fn
 from async_rl.tasks.jsonl import JsonlTask, read_jsonl
 from async_rl.tasks.reasoning_gym_adapter import ReasoningGymTask
+from async_rl.tasks.rewards import load_reward_fn
 from async_rl.tasks.tool_problems import ToolProblemsTask
 from async_rl.tasks.word_problems import WordProblemsTask
 

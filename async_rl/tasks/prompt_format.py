@@ -22,8 +22,9 @@ prompt-length check and the logged samples can never disagree:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from async_rl.tasks.base import Prompt
 

@@ -95,7 +95,7 @@ def last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` or `\\fbox{...}` with balanced braces (or the
     token after `\\boxed `, as in `\\boxed 5`); None if there is none or it is cut off."""
     match = None
-    for match in re.finditer(r"\\(?:boxed|fbox)(?![A-Za-z])\s*", text):
+    for match in re.finditer(r"\\(?:boxed|fbox)(?![A-Za-z])\s*", text):  # noqa: B007 (the last one is kept)
         pass
     if match is None:
         return None

@@ -18,13 +18,21 @@ from __future__ import annotations
 
 import torch
 
-from async_rl.weight_transfer.base import MemberBuckets, ReceiverSide, SenderSide, WeightTransport
-from async_rl.weight_transfer.bucket_sets import BucketSet
-from async_rl.weight_transfer.handshake import poll_store
-from async_rl.weight_transfer.plan import Bucket
-from async_rl.weight_transfer.records import (Arrival, Group, IpcBucket, IpcHandles, IpcOrder, decode, encode, ipc_done_key,
-                      ipc_handles_key, ipc_order_key)
-
+from async_rl.weight_transfer.buckets import Bucket, BucketSet
+from async_rl.weight_transfer.protocol import Landing, ReceiverContext, SenderContext, Transport
+from async_rl.weight_transfer.store import (
+    Arrival,
+    Group,
+    IpcBucket,
+    IpcHandles,
+    IpcOrder,
+    decode,
+    encode,
+    ipc_done_key,
+    ipc_handles_key,
+    ipc_order_key,
+    poll_store,
+)
 
 # A copy takes milliseconds: both ends poll the store for each other at least this often.
 IPC_POLL_S = 0.001
@@ -73,7 +81,7 @@ def open_bucket(entry: IpcBucket, bucket: Bucket, device: torch.device) -> torch
 class CudaIpcSender:
     group = None  # no communication group: the members read rank 0's memory
 
-    def __init__(self, side: SenderSide):
+    def __init__(self, side: SenderContext):
         self.side = side
         self._exported = False
         self._epoch, self._ranks, self._seq = -1, (), 0
@@ -109,7 +117,7 @@ class CudaIpcReceiver:
     group = None
     staged = False
 
-    def __init__(self, side: ReceiverSide, place: MemberBuckets):
+    def __init__(self, side: ReceiverContext, place: Landing):
         self.side, self.place = side, place
         self._sources: dict[int, list[torch.Tensor]] = {}  # the learner's bucket sets, mapped once
         self._epoch, self._rank, self._seq = -1, 0, 0
@@ -139,4 +147,4 @@ class CudaIpcReceiver:
         pass
 
 
-TRANSPORT = WeightTransport("cuda_ipc", CudaIpcSender, CudaIpcReceiver)
+TRANSPORT = Transport("cuda_ipc", CudaIpcSender, CudaIpcReceiver)

@@ -1,4 +1,4 @@
-"""How a weight sync fails, as its callers see it."""
+"""How a weight transfer fails, as its callers see it."""
 from __future__ import annotations
 
 import re

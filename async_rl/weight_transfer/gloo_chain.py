@@ -16,7 +16,7 @@ writes run in parallel (analysis/bench_sync.py; docs/scale.md has the figures).
 The price is pipeline fill: the last member starts (world - 2) bucket times after the
 first. `chained` takes the chain only when that costs less than the tree's extra writes
 from rank 0 (ceil(log2(world)) per byte); otherwise, and for a single bucket, the
-buckets go one broadcast each (collective.py).
+buckets go one broadcast each (groups.py).
 
 Buckets on a GPU (a GPU learner, or GPU actors, with `sync.transport=gloo`) pass
 through host memory on both ends; that path has not yet run on a GPU (its test needs
@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import datetime
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from async_rl.weight_transfer.base import WeightTransport
-from async_rl.weight_transfer.bucket_sets import BucketSet
-from async_rl.weight_transfer.collective import CollectiveReceiver, CollectiveSender, wait_all
+from async_rl.weight_transfer.buckets import BucketSet
+from async_rl.weight_transfer.groups import CollectiveReceiver, CollectiveSender, wait_all
+from async_rl.weight_transfer.protocol import Transport
 
 
 def chained(buckets: int, world: int) -> bool:
@@ -112,4 +112,4 @@ class GlooChainReceiver(CollectiveReceiver):
             super().receive()
 
 
-TRANSPORT = WeightTransport("gloo", GlooChainSender, GlooChainReceiver)
+TRANSPORT = Transport("gloo", GlooChainSender, GlooChainReceiver)

@@ -11,8 +11,8 @@ on a dead peer.
 """
 from __future__ import annotations
 
-from async_rl.weight_transfer.base import WeightTransport
-from async_rl.weight_transfer.collective import CollectiveReceiver, CollectiveSender
+from async_rl.weight_transfer.groups import CollectiveReceiver, CollectiveSender
+from async_rl.weight_transfer.protocol import Transport
 
 
 class NcclSender(CollectiveSender):
@@ -23,4 +23,4 @@ class NcclReceiver(CollectiveReceiver):
     backend = "nccl"
 
 
-TRANSPORT = WeightTransport("nccl", NcclSender, NcclReceiver)
+TRANSPORT = Transport("nccl", NcclSender, NcclReceiver)

@@ -1,29 +1,103 @@
-"""A torch-engine actor's side of the weight sync.
+"""A member's side of the weight transfer, across epochs and whatever its transport.
 
-The parameters are re-homed at construction as views of persistent per-bucket flat
-tensors (plan.alias_into_buckets). By default a sync, whether it comes down the gloo
-chain (and is forwarded from there) or by broadcast, lands in a second set of buckets
-and is copied into the parameters only once every bucket has arrived: a sync that
-breaks off midway (a peer actor killed, a timeout) then leaves the parameters on the
-last complete version, and the survivors keep generating with them instead of
-waiting, idle, for the next sync. The price is one more copy of the weights in the
-actor's memory and a memcpy per sync; `sync.stage_on_actors=false` saves both for a
-model that barely fits, and then receives straight into the parameters.
+The actor calls `receive(...)` once per SyncOrder. The receiver connects to rank 0's
+store (once per learner), opens its transport's end, takes part in the handshake of
+every new epoch (store.py), then lets the end receive the version. A failure drops the
+end's group, so the next order joins afresh. Where the weights land is the subclass's:
+`ParameterReceiver` for a torch model here, `VLLMReceiver` (vllm/transport.py) for vLLM.
+
+A torch model's parameters are re-homed at construction as views of persistent
+per-bucket flat tensors (buckets.alias_into_buckets). By default a sync, whether it
+comes down the gloo chain (and is forwarded from there) or by broadcast, lands in a
+second set of buckets and is copied into the parameters only once every bucket has
+arrived: a sync that breaks off midway (a peer actor killed, a timeout) then leaves the
+parameters on the last complete version, and the survivors keep generating with them
+instead of waiting, idle, for the next sync. The price is one more copy of the weights
+in the actor's memory and a memcpy per sync; `sync.stage_on_actors=false` saves both
+for a model that barely fits, and then receives straight into the parameters.
 """
 from __future__ import annotations
 
-import torch
+import datetime
+import traceback
+from collections.abc import Callable
+from typing import Any
 
-from async_rl.weight_transfer.abandon import run_abandonable
-from async_rl.weight_transfer.base import MemberBuckets, ReceiverEnd, ReceiverSide
+import torch
+import torch.distributed as dist
+
+from async_rl.weight_transfer.buckets import alias_into_buckets, plan_buckets, sync_bucket_bytes
 from async_rl.weight_transfer.errors import SyncAbandoned
-from async_rl.weight_transfer.member import Member
-from async_rl.weight_transfer.plan import alias_into_buckets, plan_buckets, sync_bucket_bytes
-from async_rl.weight_transfer.records import LEARNER_KEY, LearnerInfo, decode
+from async_rl.weight_transfer.protocol import Landing, ReceiverContext, TransportReceiver
+from async_rl.weight_transfer.store import LEARNER_KEY, LearnerInfo, decode, join, member_gives_up, run_abandonable
 from async_rl.weight_transfer.transports import own_choice, transport_named
 
 
-class WeightReceiver(Member):
+class WeightReceiver:
+    """Subclasses say which end to open and how a version lands (`open_end`, `deliver`).
+    `intact`: the weights hold one complete version (False while a sync writes them in place).
+    `transport`: the name of the transport it receives by, once known."""
+
+    transport: str | None = None
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.intact = True
+        self._store: dist.TCPStore | None = None
+        self._end: TransportReceiver | None = None
+        self._epoch = -1
+        # For `deliver`: whether rank 0 has abandoned the epoch being received (store.py).
+        self.give_up: Callable[[], str | None] = lambda: None
+
+    @property
+    def group(self) -> Any:
+        """The current epoch's communication group, None when there is none (not joined,
+        dropped after a failure, or a transport without one)."""
+        return None if self._end is None else self._end.group
+
+    def receive(self, *, epoch: int, rank: int, world_size: int, store_host: str, store_port: int) -> None:
+        """Receive one version, joining `epoch` first if this member is not in it yet.
+        `world_size` is the coordinator's; the group's own comes from rank 0's decision."""
+        try:
+            if self._store is None or (self._store.host, self._store.port) != (store_host, store_port):
+                store = dist.TCPStore(store_host, store_port, is_master=False,
+                                      timeout=datetime.timedelta(seconds=self.timeout_s))
+                self._end, self._epoch = self.open_end(ReceiverContext(store, store_host, self.timeout_s)), -1
+                self._store = store
+            if epoch != self._epoch:
+                self._end.leave()
+                group = join(self._store, epoch, rank, self._end.arrival(), self.timeout_s)
+                self._end.join(epoch, rank, group)
+                self._epoch = epoch
+            self.give_up = member_gives_up(self._store, epoch)
+            self.deliver(self._end)
+        except Exception as err:
+            # The group may be broken (a member gone, a collective half done): never reuse
+            # it. Dropping it also closes its connections, releasing peers still waiting,
+            # but only once nothing else holds it: the frames in the traceback of an
+            # exception the caller keeps would (with the pending transfers).
+            if self._end is not None:
+                self._end.leave()
+            self._epoch = -1
+            traceback.clear_frames(err.__traceback__)
+            raise
+
+    def reopen(self) -> None:
+        """Open the store connection and the transport's end afresh at the next receive
+        (an end whose old receive may still be writing must not be reused)."""
+        if self._end is not None:
+            self._end.leave()
+        self._store = self._end = None
+        self._epoch = -1
+
+    def open_end(self, side: ReceiverContext) -> TransportReceiver:
+        raise NotImplementedError
+
+    def deliver(self, end: TransportReceiver) -> None:
+        raise NotImplementedError
+
+
+class ParameterReceiver(WeightReceiver):
     """Receives every sync into the parameters of a torch model.
 
     `staged` (sync.stage_on_actors, the default): the collective transports receive into
@@ -57,17 +131,17 @@ class WeightReceiver(Member):
         self.transport: str | None = None  # gloo | nccl | cuda_ipc, decided from rank 0's store entry
         self._left_behind: list = []  # receives of abandoned epochs, waiting out gloo's timeout
 
-    def open_end(self, side: ReceiverSide) -> ReceiverEnd:
+    def open_end(self, side: ReceiverContext) -> TransportReceiver:
         info = decode(LearnerInfo, side.store.get(LEARNER_KEY), "transport entry")
         self.transport = own_choice(info, self.device)  # raises on a bad combination
-        place = MemberBuckets(self.plan, self.buckets, self.staging, self.device)
+        place = Landing(self.plan, self.buckets, self.staging, self.device)
         return transport_named(self.transport).receiver(side, place)
 
-    def deliver(self, end: ReceiverEnd) -> None:
+    def deliver(self, end: TransportReceiver) -> None:
         if not end.staged:
             self.intact = False  # from the first byte on: a broken-off bucket is half written
         if end.staged and self.transport == "gloo":
-            # Abandonable (abandon.py): staged, what a receive left behind still writes
+            # Abandonable (store.py): staged, what a receive left behind still writes
             # lands in buffers no later sync reads, since they are replaced here.
             try:
                 run_abandonable(end.receive, self.give_up, "weight-receive", self._left_behind)

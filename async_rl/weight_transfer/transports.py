@@ -15,15 +15,15 @@ import socket
 import torch
 
 from async_rl.weight_transfer import cuda_ipc, gloo_chain, nccl
-from async_rl.weight_transfer.vllm import transport as vllm
-from async_rl.weight_transfer.base import WeightTransport
-from async_rl.weight_transfer.records import LearnerInfo
+from async_rl.weight_transfer.protocol import Transport
+from async_rl.weight_transfer.store import LearnerInfo
 
 TRANSPORTS = ("auto", "gloo", "nccl", "cuda_ipc")  # the choices of sync.transport
-_BY_NAME = {t.name: t for t in (gloo_chain.TRANSPORT, nccl.TRANSPORT, cuda_ipc.TRANSPORT, vllm.TRANSPORT)}
+_BY_NAME = {t.name: t for t in (gloo_chain.TRANSPORT, nccl.TRANSPORT, cuda_ipc.TRANSPORT)}
 
 
-def transport_named(name: str) -> WeightTransport:
+def transport_named(name: str) -> Transport:
+    """A torch receiver's transport, or one rank 0 serves (vLLM's is the sender's to add)."""
     return _BY_NAME[name]
 
 

@@ -1,5 +1,6 @@
 """Wire protocol: typed msgspec messages, msgpack headers + raw array frames over zmq."""
 
+from async_rl.wire.codec import SCHEMA, WireLimits, claimed_group, decode, encode, read_frames, recv, send
 from async_rl.wire.messages import (
     MESSAGE_TYPES,
     EvalGrant,
@@ -19,7 +20,6 @@ from async_rl.wire.messages import (
     WorkRequest,
 )
 from async_rl.wire.rejects import RejectCounter, WireError
-from async_rl.wire.codec import SCHEMA, WireLimits, claimed_group, decode, encode, read_frames, recv, send
 
 __all__ = [
     "MESSAGE_TYPES",

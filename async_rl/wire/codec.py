@@ -8,8 +8,8 @@ raises only :class:`WireError` (``reason``: a stable code for metrics); ``recv``
 
 import math
 import typing
-from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal, Sequence
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -17,7 +17,7 @@ import zmq
 from msgspec import Meta
 
 from async_rl.wire.messages import MESSAGE_TYPES, AnyMessage, ArraySpec, Message, WireLimits
-from async_rl.wire.rejects import RejectCounter, WireError, array_ref_rejection, header_rejection, header_reason
+from async_rl.wire.rejects import RejectCounter, WireError, array_ref_rejection, header_reason, header_rejection
 
 SCHEMA = 3
 

@@ -20,7 +20,7 @@ class SecurityConfig(Section):
     keys_dir: str | None = Field(None, description="Directory made by `async-rl keys DIR` (needed with curve).")
 
     @model_validator(mode="after")
-    def _keys_for_curve(self) -> "SecurityConfig":
+    def _keys_for_curve(self) -> SecurityConfig:
         if self.curve and not self.keys_dir:
             raise ValueError("security.keys_dir: required when security.curve=true (make keys with `async-rl keys DIR`)")
         return self

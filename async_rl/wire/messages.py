@@ -8,15 +8,16 @@ raw frames (see :mod:`.wire`). Rules across fields that a schema cannot state li
 """
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, NamedTuple, Optional, Sequence, Union
+from typing import Annotated, Any, ClassVar, NamedTuple, Union
 
 import msgspec
 import numpy as np
 from msgspec import Meta, field
 
-from async_rl.staleness import group_version
 from async_rl.run.tracing import ACTOR_SPANS, MAX_TRACE_US, SPAN_ARG_KEYS
+from async_rl.staleness import group_version
 
 # Why a call of user code (a reward, an environment) failed: the counts of failed calls
 # travel in this order (`reward_errors`); actor/guard.py tells them apart.
@@ -222,7 +223,7 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
     rewards: Float32Vector  # [G]
     truncated: UInt8Vector  # [G] 1 = cut at the length limit (no stop token)
     gen_seconds: NonNegative
-    greedy_reward: Optional[Finite] = None  # ReMax baseline, when computed
+    greedy_reward: Finite | None = None  # ReMax baseline, when computed
     # Samples (and the greedy baseline) scored reward.fallback, per FAILURE_REASONS.
     reward_errors: list[Count] = field(default_factory=zero_counts)
     policy_mask: UInt8Vector = field(default_factory=_empty(np.uint8))  # [R], or [0]: all the policy's
@@ -340,7 +341,7 @@ class EvalResult(Message, tag="eval_result", eq=False):
 
 class TraceSpans(Message, tag="trace_spans", eq=False):
     """actor -> hub, from the heartbeat thread: timeline spans recorded since the last
-    shipment, as parallel arrays (see async_rl/tracing.py)."""
+    shipment, as parallel arrays (see async_rl/run/tracing.py)."""
 
     actor_id: Count
     dropped: Count  # spans the actor had to drop since the last shipment (buffer full)
@@ -366,4 +367,4 @@ class TraceSpans(Message, tag="trace_spans", eq=False):
 MESSAGE_TYPES: dict[str, type[Message]] = {cls.KIND: cls for cls in (
     Hello, Welcome, WorkRequest, WorkGrant, EvalGrant, Wait, SyncOrder, SyncDone, Heartbeat, Goodbye,
     ExperienceGroup, EvalResult, TraceSpans)}
-AnyMessage = Union[tuple(MESSAGE_TYPES.values())]  # the tagged union one decoder reads
+AnyMessage = Union[tuple(MESSAGE_TYPES.values())]  # noqa: UP007 (built from a tuple) the tagged union one decoder reads

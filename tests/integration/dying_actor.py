@@ -1,7 +1,7 @@
 """`async-rl actor` that SIGKILLs itself in the middle of a weight sync, for
 tests/integration/test_elastic_actors.py: `python tests/integration/dying_actor.py N --hub ADDR` dies after the
 second bucket of its N-th sync, while the other members receive the same sync. It
-joined last, so it is the end of the chain (weight_sync/gloo_chain.py): the members
+joined last, so it is the end of the chain (weight_transfer/gloo_chain.py): the members
 before it have every bucket by then, and rank 0, left without the acknowledgement,
 counts the sync as failed and sends the version again once the reaper has removed it."""
 import os
@@ -9,12 +9,12 @@ import signal
 import sys
 
 from async_rl.cli import main
-from async_rl.weight_transfer import receiver as weight_receiver
 from async_rl.weight_transfer import gloo_chain
+from async_rl.weight_transfer import receiver as weight_receiver
 
 die_in_sync = int(sys.argv.pop(1))
 syncs = buckets = 0
-receive, await_bucket = weight_receiver.WeightReceiver.receive, gloo_chain.await_bucket
+receive, await_bucket = weight_receiver.ParameterReceiver.receive, gloo_chain.await_bucket
 
 
 def counting_receive(self, **kwargs):
@@ -31,6 +31,6 @@ def dying_await_bucket(work, timeout_s):  # the receiver's wait for each bucket 
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-weight_receiver.WeightReceiver.receive = counting_receive
+weight_receiver.ParameterReceiver.receive = counting_receive
 gloo_chain.await_bucket = dying_await_bucket
 sys.exit(main(["actor", *sys.argv[1:]]))

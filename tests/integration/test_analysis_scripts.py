@@ -4,7 +4,7 @@ hand-written run directory whose trace.json has known time shares.
 
 The tables' figures are recomputed here from metrics.jsonl and trace.json directly.
 The trace-based outputs of the real runs are checked when the runs write trace.json
-(required once async_rl/tracing.py exists); the metrics-only path on a copy of a run
+(required once async_rl/run/tracing.py exists); the metrics-only path on a copy of a run
 without its trace.json.
 """
 import importlib.util
@@ -24,7 +24,7 @@ STALENESS = ROOT / "analysis/staleness.py"
 THROUGHPUT = ROOT / "analysis/throughput.py"
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 TINY = ["train.max_steps=6", "learner.ranks=1"]
-TRACING = (ROOT / "async_rl/tracing.py").exists()  # where runs write trace.json
+TRACING = (ROOT / "async_rl/run/tracing.py").exists()  # where runs write trace.json
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +302,7 @@ def hand_run(tmp_path):
     lines = [{"time": 0.0, "step": 0, "eval/accuracy": 0.5}]
     for i, s in enumerate(HAND_STEPS):
         lines.append({"version": s["step"], "loss/total": 0.0, "staleness/dropped": i // 2, **s})
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     (run_dir / "trace.json").write_text(json.dumps({"traceEvents": HAND_TRACE, "displayTimeUnit": "ms"}))
     return run_dir
 
@@ -378,7 +378,7 @@ def bench_peer(out: Path, model: Path, *args: str) -> dict:
                           capture_output=True, text=True, timeout=110, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines()]  # stdout: JSON lines only
-    assert len(lines) == 1 and lines == [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    assert len(lines) == 1 and lines == [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     return lines[0]
 
 

@@ -15,8 +15,8 @@ def test_bench_sync_prints_consistent_json():
                           capture_output=True, text=True, timeout=120, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-    measurements = [l for l in lines if l["kind"] == "measurement"]
-    comparisons = [l for l in lines if l["kind"] == "comparison"]
+    measurements = [line for line in lines if line["kind"] == "measurement"]
+    comparisons = [line for line in lines if line["kind"] == "comparison"]
     summary = lines[-1]
     assert summary["kind"] == "summary" and summary["device"] == "cpu" and summary["backend"] == "gloo"
 

@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import running_coordinator, subprocess_env
-from conftest import ask, dealer
+from conftest import ask, dealer, running_coordinator, subprocess_env
 
 from async_rl.wire import ExperienceGroup, Hello, Welcome, WireLimits, WorkGrant, WorkRequest, encode
 
@@ -39,16 +38,16 @@ def coordinator_for_model(run_dir: Path, config: dict, model_path: Path, limits:
     """Like conftest.running_coordinator, but its broadcaster carries the real model's
     parameters, so a real actor can take part in a weight sync; yields (coordinator, engine)
     where the engine's parameters are what the test publishes as the learner's weights."""
-    from async_rl.config import build_config
     from async_rl.actor.engines.torch_engine import TorchEngine
+    from async_rl.config import build_config
     from async_rl.coordinator.coordinator import Coordinator
     from async_rl.tasks import make_task
-    from async_rl.weight_transfer.broadcaster import WeightBroadcaster
+    from async_rl.weight_transfer.sender import WeightSender
 
     cfg = build_config({"learner": {"ranks": 1}, "model": {"path": str(model_path), "device": "cpu"}, **config})
     engine = TorchEngine(str(model_path), device=torch.device("cpu"))
     specs = [(n, tuple(p.shape), p.dtype) for n, p in engine.parameters_for_sync()]
-    bc = WeightBroadcaster(specs, bucket_mb=cfg.sync.bucket_mb, host="127.0.0.1", backend="gloo",
+    bc = WeightSender(specs, bucket_mb=cfg.sync.bucket_mb, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=cfg.sync.timeout_s)
     coord = Coordinator(cfg, make_task("arithmetic", seed=0), bc, run_dir)
     if limits is not None:
@@ -104,10 +103,10 @@ def test_stalled_learner_blocks_a_real_actor_and_one_step_releases_exactly_one_b
 
             # ...and publishes the version-1 weights: the actor syncs, then gets exactly one
             # more batch, (eta + 1 + 1) * B in all, and blocks again.
-            coord.broadcaster.publish(1, iter(engine.parameters_for_sync()))
+            coord.sender.publish(1, iter(engine.parameters_for_sync()))
             (info,) = coord.actors.values()
             assert wait_for(lambda: info.version == 1, timeout=20), log_path.read_text()[-2000:]
-            assert info.synced[1] == 1 and coord.broadcaster.sent_version == 1
+            assert info.synced[1] == 1 and coord.sender.sent_version == 1
             second = (ETA + 2) * B
             assert wait_for(lambda: len(coord.buffer) >= second - B, timeout=20), \
                 (coord.admission.admitted, len(coord.buffer), log_path.read_text()[-2000:])

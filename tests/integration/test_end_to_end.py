@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from conftest import alive, kill_tree, read_metrics, subprocess_env, train
 
-from async_rl.run.metrics import EVAL_KEYS, STEP_KEYS
 from async_rl.run.directory import RunDir
+from async_rl.run.metrics import EVAL_KEYS, STEP_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 

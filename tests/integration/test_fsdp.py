@@ -4,8 +4,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_env
 import torch
+from conftest import subprocess_env
 from safetensors.torch import load_file
 
 WORKER = Path(__file__).parents[1] / "workers" / "fsdp_step.py"

@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 import zmq
-from msgspec.structs import replace
 from conftest import ROOT, kill_tree, read_metrics, subprocess_env
+from msgspec.structs import replace
 from wire_samples import CASES, make_group
 
 from async_rl.run.directory import RunDir

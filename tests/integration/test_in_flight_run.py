@@ -1,6 +1,6 @@
 """In-flight weight updates (sync.in_flight=true) in one short real run: its metrics show
 samples whose tokens span two versions. (The engine's step hook and the actor's hook:
-tests/unit/roles/test_in_flight.py.)"""
+tests/unit/actor/test_in_flight.py.)"""
 import pytest
 from conftest import read_metrics, train
 

@@ -57,7 +57,7 @@ def test_second_writer_is_refused_and_a_killed_launcher_leaves_nothing_running(t
                                      f"run_dir={run}", f"model.path={demo_model}", *SMALL, *extra],
                                     capture_output=True, text=True, timeout=60, env=subprocess_env())
             assert second.returncode == 2, second.stderr[-2000:]
-            lines = [l for l in second.stderr.splitlines() if l.startswith("async-rl")]
+            lines = [line for line in second.stderr.splitlines() if line.startswith("async-rl")]
             assert lines == [lines[-1]] and f"is in use by pid {first.pid}" in lines[-1]
             assert time.monotonic() - started < 20
         assert (run / "endpoints.json").read_text() == endpoints  # the first run's files untouched

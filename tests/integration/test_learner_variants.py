@@ -73,17 +73,17 @@ def test_bench_learner_tiny_prints_schema():
                           capture_output=True, text=True, timeout=60, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-    learner = [l for l in lines if l["kind"] == "learner"]
-    assert [l["variant"] for l in learner] == ["padded", "packed+ac"]
-    for l in learner:
-        assert l["device"] == "cpu" and l["ranks"] == 2 and l["precision"] == "fp32" and l["attention"] == "eager"
-        assert l["scored_tokens"] < l["tokens"] <= l["padded_tokens"] and l["step_s"] > 0 and len(l["steps_s"]) == 1
-        assert abs(l["tokens_per_s"] - l["tokens"] / l["step_s"]) < 1e-6 * l["tokens_per_s"]
+    learner = [line for line in lines if line["kind"] == "learner"]
+    assert [line["variant"] for line in learner] == ["padded", "packed+ac"]
+    for line in learner:
+        assert line["device"] == "cpu" and line["ranks"] == 2 and line["precision"] == "fp32" and line["attention"] == "eager"
+        assert line["scored_tokens"] < line["tokens"] <= line["padded_tokens"] and line["step_s"] > 0 and len(line["steps_s"]) == 1
+        assert abs(line["tokens_per_s"] - line["tokens"] / line["step_s"]) < 1e-6 * line["tokens_per_s"]
         # 6 FLOPs per parameter and token, the tied V x H head on scored tokens only; attention on top.
         head = 16 * 64
-        assert l["flops_per_step"] > 6 * (l["params"] - head) * l["tokens"] + 6 * head * l["scored_tokens"]
-        assert l["matmul_peak_tflops"] > 0 and l["mfu"] == pytest.approx(l["tflops"] / l["matmul_peak_tflops"])
-    (gen,) = [l for l in lines if l["kind"] == "generate"]
+        assert line["flops_per_step"] > 6 * (line["params"] - head) * line["tokens"] + 6 * head * line["scored_tokens"]
+        assert line["matmul_peak_tflops"] > 0 and line["mfu"] == pytest.approx(line["tflops"] / line["matmul_peak_tflops"])
+    (gen,) = [line for line in lines if line["kind"] == "generate"]
     assert gen["tokens"] == gen["prompts"] * gen["new_tokens"] and gen["tokens_per_s"] > 0
 
 

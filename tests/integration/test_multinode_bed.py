@@ -141,7 +141,7 @@ def test_the_actor_nodes_link_down_shorter_or_longer_than_the_heartbeat(bed, tmp
     """Shorter: the actors keep going. Longer: the hub reaps them, and they register again
     once the link is back. Either way the run goes on and ends whole: no hang, every
     admitted prompt consumed once, and the longest pause is the cut's own length plus
-    seconds: a weight broadcast in flight to the reaped actors is abandoned (abandon.py)
+    seconds: a weight broadcast in flight to the reaped actors is abandoned (weight_transfer/store.py)
     instead of waiting out sync.timeout_s.
     Slowed: the link is not cut but held to a rate: 1 Mbit/s each way, or only what the
     node receives (the weight sync: the demo's 0.5 MB then takes 4 s), or 0.1 Mbit/s on
@@ -222,7 +222,7 @@ def test_a_learner_nodes_link_cut_fails_in_one_line_and_resumes_losing_nothing(b
 def test_a_cut_actor_node_does_not_hold_up_the_broadcast_to_the_others(bed, tmp_path, demo_model):
     """Two actor nodes (one actor each); one node's link cut for longer than the heartbeat
     timeout. The hub drops its actor, rank 0 abandons the broadcast that waits on it and
-    the other actor's receive gives up too (abandon.py): training goes on with the other
+    the other actor's receive gives up too (weight_transfer/store.py): training goes on with the other
     actor about a second after the drop, not after sync.timeout_s (60 s, the default)."""
     heartbeat_s, down_s, steps_n = 3.0, 8.0, 400
     cut = {}

@@ -1,13 +1,13 @@
 """Observability of a real run: the timeline (trace.json, Chrome trace format, read by
-async_rl/run_dir.py), TensorBoard's histograms, sample generations and custom-scalars
+async_rl/run/directory.py), TensorBoard's histograms, sample generations and custom-scalars
 layout, and every documented metric on every step line. One tiny `async-rl train` run."""
 import json
 
 import pytest
 from conftest import layout_categories, read_metrics, read_tensorboard, text_at, train
 
-from async_rl.run.metrics import GENERATIONS_TAG, HISTOGRAM_TAGS, STEP_KEYS
 from async_rl.run.directory import load_run, read_trace
+from async_rl.run.metrics import GENERATIONS_TAG, HISTOGRAM_TAGS, STEP_KEYS
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,14 @@ import pytest
 from conftest import ROOT, flip_one_bit, read_metrics, subprocess_env, train, truncate_half
 
 from async_rl.learner.checkpoint import BUFFER_FILE, STATE_FILE, read_groups
-from async_rl.run.checkpoints import (MANIFEST, check_partition, complete_checkpoints, latest_checkpoint,
-                                           latest_intact_checkpoint, verify_checkpoint)
+from async_rl.run.checkpoints import (
+    MANIFEST,
+    check_partition,
+    complete_checkpoints,
+    latest_checkpoint,
+    latest_intact_checkpoint,
+    verify_checkpoint,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -19,13 +19,13 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM
 from conftest import ROOT, subprocess_env, wait_for_job
+from transformers import AutoModelForCausalLM
 from vllm_models import PROMPTS, learner_like, save_model
 
 from async_rl.actor.engines.torch_engine import TorchEngine
 from async_rl.run.directory import RunDir
-from async_rl.weight_transfer.broadcaster import WeightBroadcaster
+from async_rl.weight_transfer.sender import WeightSender
 
 pytestmark = pytest.mark.vllm
 
@@ -115,7 +115,7 @@ def test_actor_killed_mid_broadcast_then_a_newcomer(tmp_path) -> None:
     want = [g[0].tokens.tolist() for g in TorchEngine(learner, device="cpu").generate(PROMPTS, max_new_tokens=10,
                                                                                        greedy=True)]
     specs = [(n, tuple(p.shape), p.dtype) for n, p in learner.named_parameters()]
-    bc = WeightBroadcaster(specs, bucket_mb=BUCKET_MB, host="127.0.0.1", backend="gloo", device=torch.device("cpu"),
+    bc = WeightSender(specs, bucket_mb=BUCKET_MB, host="127.0.0.1", backend="gloo", device=torch.device("cpu"),
                            timeout_s=10, engine="vllm")
     actors = Actors(model_dir, dying={1: 2})
     try:

@@ -12,7 +12,6 @@ Both must be free of circles.
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 

@@ -9,14 +9,14 @@ from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from async_rl.learner.batching import scatter_batch
 from async_rl.config import build_config
+from async_rl.learner.batching import scatter_batch
+from async_rl.learner.models import Models
+from async_rl.learner.process import shutdown_world
+from async_rl.learner.sharding import full_parameters, shard_model
+from async_rl.learner.step import train_step
 from async_rl.models.critic import ValueModel
 from async_rl.run.processes import exit_now
-from async_rl.learner.sharding import full_parameters, shard_model
-from async_rl.learner.process import shutdown_world
-from async_rl.learner.models import Models
-from async_rl.learner.step import train_step
 from async_rl.wire import ExperienceGroup, Response
 
 # Named variants of the train section; each exercises a different cross-rank path.

@@ -6,18 +6,18 @@ none, bf16 vs fp32, DAPO's overlong filter and penalty."""
 import sys
 
 import torch
+from fsdp_step import VARIANTS, init_world, synthetic_groups
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
-from async_rl.learner.batching import scatter_batch
 from async_rl.config import build_config
-from async_rl.models.critic import ValueModel
-from async_rl.learner.sharding import full_parameters, shard_model
-from async_rl.learner.process import shutdown_world
-from async_rl.run.processes import exit_now
+from async_rl.learner.batching import scatter_batch
 from async_rl.learner.models import Models
+from async_rl.learner.process import shutdown_world
+from async_rl.learner.sharding import full_parameters, shard_model
 from async_rl.learner.step import train_step
-from fsdp_step import VARIANTS, init_world, synthetic_groups
+from async_rl.models.critic import ValueModel
+from async_rl.run.processes import exit_now
 
 PACKED = {"pack": True, "micro_batch_tokens": 40}  # a token budget: micro-batches of 1-3 groups
 # (name, train variant, learner options)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

@@ -21,24 +21,25 @@ it. A prompt's cached prefix (prefix caching) computed with older weights is dro
 before the next call's requests are added.
 
 Weights live in vLLM's worker: `parameters_for_sync()` is unavailable; the actor
-builds its receiver with `engine.weight_receiver(...)` (weight_sync/vllm.py), whose
+builds its receiver with `engine.weight_receiver(...)` (weight_transfer/vllm/transport.py), whose
 communicator follows the device: vLLM's NCCL engine on a GPU, our gloo engine
-(weight_sync/vllm_gloo.py, a vLLM plugin) on a CPU.
+(weight_transfer/vllm/gloo_plugin.py, a vLLM plugin) on a CPU.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from async_rl.actor.engines.base import Completion, GenerationEngine
-from async_rl.weight_transfer.receiver import WeightReceiver
-from async_rl.weight_transfer.plan import Spec
-from async_rl.weight_transfer.vllm.transport import VLLMWeightReceiver, vllm_backend, wire_dtype
+from async_rl.weight_transfer.buckets import Spec
+from async_rl.weight_transfer.receiver import ParameterReceiver
 from async_rl.weight_transfer.vllm.api import require_vllm
+from async_rl.weight_transfer.vllm.transport import VLLMReceiver, vllm_backend, wire_dtype
 
 
 class VLLMConfigError(ValueError):
@@ -115,7 +116,7 @@ class VLLMEngine(GenerationEngine):
     """Sampling engine around one offline `vllm.LLM` (tensor-parallel size 1).
 
     `dtype`: vLLM's compute dtype; weights arrive in it where it is 16-bit, else in the
-    learner's float32 (weight_sync/vllm.py: `wire_dtype`).
+    learner's float32 (weight_transfer/vllm/transport.py: `wire_dtype`).
     On a CPU, `kv_cache_gb` sizes the KV cache and `threads` the OpenMP threads (vLLM
     does not pin them: the learner may share the cores); on a GPU, the one vLLM sees
     (CUDA_VISIBLE_DEVICES), `gpu_memory_utilization` is low by default because a local
@@ -208,12 +209,12 @@ class VLLMEngine(GenerationEngine):
         return list(self.specs)
 
     def weight_receiver(self, *, bucket_mb: float, timeout_s: float, backend: str = "gloo",
-                        **_: Any) -> VLLMWeightReceiver | WeightReceiver:
-        """The actor's receiver for this engine (same interface as `WeightReceiver`); with
+                        **_: Any) -> VLLMReceiver | ParameterReceiver:
+        """The actor's receiver for this engine (same interface as `ParameterReceiver`); with
         LoRA a plain one, into the adapter tensors."""
         if self.adapters is not None:
-            return WeightReceiver(self.adapters.tensors, bucket_mb=bucket_mb, backend=backend, timeout_s=timeout_s)
-        return VLLMWeightReceiver(self.llm, self.specs, bucket_mb=bucket_mb, communicator=self.communicator,
+            return ParameterReceiver(self.adapters.tensors, bucket_mb=bucket_mb, backend=backend, timeout_s=timeout_s)
+        return VLLMReceiver(self.llm, self.specs, bucket_mb=bucket_mb, communicator=self.communicator,
                                   timeout_s=timeout_s)
 
     def _generate(self, prompts: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float,

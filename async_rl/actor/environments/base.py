@@ -19,8 +19,9 @@ step for `train.advantage=grpo_process`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from async_rl.tasks.base import Prompt
 

@@ -20,10 +20,10 @@ import ast
 import math
 import operator
 import re
-from typing import Callable
+from collections.abc import Callable
 
-from async_rl.tasks.base import Prompt
 from async_rl.actor.environments.base import Turn
+from async_rl.tasks.base import Prompt
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 MAX_EXPRESSION_CHARS = 200

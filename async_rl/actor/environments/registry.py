@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from functools import partial
 
-from async_rl.tasks.base import load_callable
 from async_rl.actor.environments.base import EnvironmentFactory
 from async_rl.actor.environments.calculator import Calculator
 from async_rl.actor.environments.skyrl import PREFIX as SKYRL_PREFIX
 from async_rl.actor.environments.skyrl import skyrl_factory
+from async_rl.tasks.base import load_callable
 
 BUILTIN = ("calculator",)
 

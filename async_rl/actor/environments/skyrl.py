@@ -15,8 +15,8 @@ learner scores exactly what was generated).
 """
 from __future__ import annotations
 
-from async_rl.tasks.base import Prompt
 from async_rl.actor.environments.base import EnvironmentFactory, Turn
+from async_rl.tasks.base import Prompt
 
 PREFIX = "skyrl_gym/"
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from async_rl.actor.engines.base import Completion
-from async_rl.wire import Response
 from async_rl.actor.environments.base import Turn
+from async_rl.wire import Response
 
 
 class Episode:

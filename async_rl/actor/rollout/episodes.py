@@ -18,8 +18,9 @@ sampled k times in the batch: the engine prefills it once and repeats its KV cac
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

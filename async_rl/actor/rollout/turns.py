@@ -19,7 +19,7 @@ Without a chat template, each message's content and a newline are appended.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from async_rl.tasks.prompt_format import PromptFormat
 

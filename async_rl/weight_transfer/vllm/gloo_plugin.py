@@ -6,8 +6,8 @@ engine by name from `WeightTransferEngineFactory`, and runs the entry points of 
 group `vllm.general_plugins` in every process it starts (pyproject.toml names
 `register` here), so an actor on a CPU creates its `LLM` with
 `WeightTransferConfig(backend=BACKEND)` and gets this engine, on the same code path as
-the NCCL engine on a GPU (weight_sync/vllm.py): the same handshake, epochs and packed
-layout (plan.plan_packed), the same `init_weight_transfer_engine` / `start_weight_update`
+the NCCL engine on a GPU (transport.py): the same handshake, epochs and packed
+layout (buckets.plan_packed), the same `init_weight_transfer_engine` / `start_weight_update`
 / `update_weights` / `finish_weight_update` calls. Only the communicator differs: a
 gloo group formed through learner rank 0's own store, under the epoch's prefix, as
 every torch transport's group (collective.new_group), with the sync timeout, instead
@@ -28,11 +28,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from async_rl.weight_transfer.collective import broadcast, new_group
-from async_rl.weight_transfer.plan import plan_packed
+from async_rl.weight_transfer.buckets import plan_packed
+from async_rl.weight_transfer.groups import broadcast, new_group
 
 BACKEND = "async_rl_gloo"  # the WeightTransferConfig backend name
 

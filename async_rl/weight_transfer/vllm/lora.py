@@ -29,7 +29,7 @@ def vllm_lora_options(lora) -> dict:
 
 
 class VLLMAdapters:
-    def __init__(self, lora, model_path: str, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, lora, model_path: str, device: torch.device | str = "cpu") -> None:
         self.lora, self.model_path = lora, model_path
         self.tensors = [(name, torch.zeros(shape, dtype=dtype, device=device))
                         for name, shape, dtype in adapter_specs(model_path, lora)]

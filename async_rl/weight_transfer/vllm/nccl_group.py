@@ -1,7 +1,7 @@
 """Learner rank 0's NCCL group with vLLM actors on GPUs (the GPU communicator of the
-vLLM transport, vllm.py).
+vLLM transport, transport.py).
 
-A vLLM worker cannot join the groups collective.py builds: vLLM's NCCL weight transfer
+A vLLM worker cannot join the groups groups.py builds: vLLM's NCCL weight transfer
 forms a `StatelessProcessGroup` whose rank 0 (the trainer) *hosts* a TCPStore at
 `master_port`, then a `PyNcclCommunicator` (NCCL only, no timeout, no abort). So rank
 0 reserves a free port of the store's host before "go" (its decision names it in
@@ -10,7 +10,7 @@ forms a `StatelessProcessGroup` whose rank 0 (the trainer) *hosts* a TCPStore at
 Timeouts. What is bounded: the store rendezvous (`store_timeout`); the whole group
 formation (it runs in a helper thread that rank 0 stops waiting for after `timeout_s`:
 a member that died between "go" and its NCCL init leaves that thread blocked in
-`ncclCommInitRank` for the rest of the process, and the broadcaster moves on to the
+`ncclCommInitRank` for the rest of the process, and the sender moves on to the
 next epoch); the host's wait for a broadcast (an event polled against a deadline).
 What is not: a broadcast kernel whose peer died mid-transfer keeps its side stream
 busy for good (no ncclCommAbort in vLLM's PyNccl), so later broadcasts on that stream
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from async_rl.weight_transfer.bucket_sets import BucketSet
+from async_rl.weight_transfer.buckets import BucketSet
 from async_rl.weight_transfer.vllm.api import require_vllm, supported_kwargs
 
 

@@ -6,19 +6,19 @@ learner's device (its `LearnerInfo.backend`, which each actor checks against its
 
 |                                   | GPU (`nccl`)                                  | CPU (`gloo`)                                  |
 |-----------------------------------|-----------------------------------------------|-----------------------------------------------|
-| vLLM's `WeightTransferConfig`     | `backend="nccl"`, vLLM's own engine           | `backend="async_rl_gloo"`, our plugin engine (vllm_gloo.py) |
-| the epoch's group                 | vLLM's `StatelessProcessGroup` on a port rank 0 reserves, named in `Group.port`, then PyNccl (vllm_nccl.py) | gloo on rank 0's store under the epoch's prefix (collective.new_group), as every torch transport |
+| vLLM's `WeightTransferConfig`     | `backend="nccl"`, vLLM's own engine           | `backend="async_rl_gloo"`, our plugin engine (gloo_plugin.py) |
+| the epoch's group                 | vLLM's `StatelessProcessGroup` on a port rank 0 reserves, named in `Group.port`, then PyNccl (nccl_group.py) | gloo on rank 0's store under the epoch's prefix (groups.new_group), as every torch transport |
 | timeouts                          | the rendezvous and the host's wait; PyNccl has none | every collective: `sync.timeout_s` |
 
 The rest is shared:
-1. handshake (handshake.py), as for every transport: a vLLM actor arrives as
+1. handshake (store.py), as for every transport: a vLLM actor arrives as
    `Arrival("vllm", workers, layout)`, with its ranks per engine and the fingerprint
    of the packed layout it expects; rank 0 refuses a layout other than its own (a
    collective would turn it into a hang or garbage) and an epoch mixing engines;
 2. `prepare` / `connect` on rank 0, `join` on each member: the member's
    `init_weight_transfer_engine` (vllm_api.init_info maps our ranks onto vLLM's);
 3. per version: rank 0 broadcasts the bucket set, already in vLLM's packed layout
-   (plan.plan_packed: uint8 chunks of `sync.bucket_mb`), chunk by chunk; the member
+   (buckets.plan_packed: uint8 chunks of `sync.bucket_mb`), chunk by chunk; the member
    calls `start_weight_update`, `update_weights` (vLLM receives the chunks and loads
    them through its layerwise reload) and `finish_weight_update`.
 
@@ -34,14 +34,20 @@ from typing import Any
 
 import torch
 
-from async_rl.weight_transfer.base import ReceiverSide, SenderSide, WeightTransport
-from async_rl.weight_transfer.bucket_sets import BucketSet
-from async_rl.weight_transfer.collective import broadcast_async, new_group, wait_all
+from async_rl.weight_transfer.buckets import BucketSet, Spec, layout_id
 from async_rl.weight_transfer.errors import EpochRejected
-from async_rl.weight_transfer.member import Member
-from async_rl.weight_transfer.plan import Spec, layout_id
-from async_rl.weight_transfer.records import LEARNER_KEY, Arrival, Group, LearnerInfo, decode
-from async_rl.weight_transfer.vllm.api import init_info, place_wire_params, supported_kwargs, update_info, vllm_world, wire_params
+from async_rl.weight_transfer.groups import broadcast_async, new_group, wait_all
+from async_rl.weight_transfer.protocol import ReceiverContext, SenderContext, Transport
+from async_rl.weight_transfer.receiver import WeightReceiver
+from async_rl.weight_transfer.store import LEARNER_KEY, Arrival, Group, LearnerInfo, decode
+from async_rl.weight_transfer.vllm.api import (
+    init_info,
+    place_wire_params,
+    supported_kwargs,
+    update_info,
+    vllm_world,
+    wire_params,
+)
 
 GLOO_BACKEND = "async_rl_gloo"  # vllm_gloo.BACKEND (that module imports vLLM, this one must not)
 
@@ -72,8 +78,8 @@ def check_arrivals(arrivals: dict[int, Arrival], layout: str | None) -> int:
     return vllm_world(len(arrivals) + 1, workers.pop())
 
 
-class VLLMSender:
-    def __init__(self, side: SenderSide):
+class VLLMTransportSender:
+    def __init__(self, side: SenderContext):
         self.side = side
         self.nccl = side.device.type == "cuda"
         self.group: Any = None  # vLLM's PyNcclCommunicator, or a gloo ProcessGroup
@@ -129,11 +135,11 @@ class VLLMPlace:
     update_info: dict[str, Any]
 
 
-class VLLMReceiverEnd:
+class VLLMTransportReceiver:
     group = None  # vLLM's group lives in its worker
     staged = False  # vLLM receives in place
 
-    def __init__(self, side: ReceiverSide, place: VLLMPlace):
+    def __init__(self, side: ReceiverContext, place: VLLMPlace):
         learner = decode(LearnerInfo, side.store.get(LEARNER_KEY), "transport entry")
         if learner.backend != place.communicator:
             raise ValueError(f"the learner sends weights over {learner.backend}, but this vLLM actor was built to "
@@ -170,8 +176,8 @@ class VLLMReceiverEnd:
         pass
 
 
-class VLLMWeightReceiver(Member):
-    """A vLLM actor's receiver, same interface as `WeightReceiver`: `receive(...)` per
+class VLLMReceiver(WeightReceiver):
+    """A vLLM actor's receiver, same interface as `ParameterReceiver`: `receive(...)` per
     SyncOrder, `intact` False while vLLM holds a model of two versions."""
 
     transport = "vllm"
@@ -186,10 +192,10 @@ class VLLMWeightReceiver(Member):
         self.place = VLLMPlace(llm, communicator, workers_per_engine, arrival, init_extra,
                                {**update_info(specs), **update_extra})
 
-    def open_end(self, side: ReceiverSide) -> VLLMReceiverEnd:
-        return VLLMReceiverEnd(side, self.place)
+    def open_end(self, side: ReceiverContext) -> VLLMTransportReceiver:
+        return VLLMTransportReceiver(side, self.place)
 
-    def deliver(self, end: VLLMReceiverEnd) -> None:
+    def deliver(self, end: VLLMTransportReceiver) -> None:
         self.intact = False
         end.receive()
         self.intact = True
@@ -204,4 +210,4 @@ def info_fields(communicator: str) -> tuple[list[str], list[str]]:
     return [f.name for f in fields(engine.init_info_cls)], [f.name for f in fields(engine.update_info_cls)]
 
 
-TRANSPORT = WeightTransport("vllm", VLLMSender, VLLMReceiverEnd)
+TRANSPORT = Transport("vllm", VLLMTransportSender, VLLMTransportReceiver)

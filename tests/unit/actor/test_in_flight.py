@@ -16,11 +16,25 @@ import transformers
 from conftest import running_coordinator
 
 from async_rl.actor.engines.torch_engine import TorchEngine
-from async_rl.run.metrics import version_mix
 from async_rl.actor.process import InFlight, LeaveNow, Syncer
+from async_rl.run.metrics import version_mix
 from async_rl.run.tracing import SpanRecorder
-from async_rl.wire import (ExperienceGroup, Goodbye, Hello, RejectCounter, SyncDone, SyncOrder, Wait, WireLimits,
-                                WorkGrant, WorkRequest, decode, encode, recv, send)
+from async_rl.wire import (
+    ExperienceGroup,
+    Goodbye,
+    Hello,
+    RejectCounter,
+    SyncDone,
+    SyncOrder,
+    Wait,
+    WireLimits,
+    WorkGrant,
+    WorkRequest,
+    decode,
+    encode,
+    recv,
+    send,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -180,7 +194,7 @@ class ScriptedHub:
 
 
 class ScriptedReceiver:
-    """Stands in for WeightReceiver: each receive() runs the next action on the engine."""
+    """Stands in for ParameterReceiver: each receive() runs the next action on the engine."""
 
     transport = "scripted"
 

@@ -1,7 +1,7 @@
 """Independent references and random padded batches shared by the test_reference_* modules.
 
-Not a test module. The `ref_*` functions are written from ../shared/DESIGN.md's formulas
-("Losses (notation)") and the module docstrings only: plain Python floats, one loop over
+Not a test module. The `ref_*` functions are written from the formulas of docs/algorithms.md
+("Notation and formulas") and the module docstrings only: plain Python floats, one loop over
 samples and tokens, gradients derived by hand (no autograd, no async_rl code). `batch` builds
 float64 right-padded batches that contain groups of one, non-contiguous out-of-order group ids,
 a fully padded row and inf/nan garbage in every padded position (`garbage_pad`).

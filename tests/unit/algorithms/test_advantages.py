@@ -7,7 +7,16 @@ import pytest
 import torch
 from reference_formulas import D, batch, close, t
 
-from async_rl.algorithms.advantages import ADVANTAGES, AdvantageInputs, Advantages, group_advantages, masked_whiten, reinforce_pp_advantages, remax_advantages, token_rewards
+from async_rl.algorithms.advantages import (
+    ADVANTAGES,
+    AdvantageInputs,
+    Advantages,
+    group_advantages,
+    masked_whiten,
+    reinforce_pp_advantages,
+    remax_advantages,
+    token_rewards,
+)
 from async_rl.algorithms.gae import gae_advantages
 from async_rl.config import build_config
 
@@ -73,8 +82,8 @@ def sharded(name: str, x, **kw) -> torch.Tensor:
     local = []
     for rows in SHARDS:  # first pass: each shard's own sums
         ADVANTAGES[name](inputs(x, name=name, rows=rows, reduce_sum=lambda v: local.append(v.clone()) or v, **kw))
-    outs = [ADVANTAGES[name](inputs(x, name=name, rows=rows, reduce_sum=lambda v, o=sum(local) - local[i]: v + o,
-                                    **kw))
+    others = [sum(local) - mine for mine in local]  # each shard's view of the other's sums
+    outs = [ADVANTAGES[name](inputs(x, name=name, rows=rows, reduce_sum=lambda v, o=others[i]: v + o, **kw))
             for i, rows in enumerate(SHARDS)]
     return torch.cat([o.advantages for o in outs])
 

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from async_rl.algorithms.losses import LOSSES
-from async_rl.algorithms.aggregation import agg_denominator, aggregate
 from async_rl.algorithms.advantages import group_advantages, reinforce_pp_advantages, remax_advantages
-from async_rl.algorithms.kl import kl_estimate
+from async_rl.algorithms.aggregation import agg_denominator, aggregate
 from async_rl.algorithms.importance import off_policy_figures
+from async_rl.algorithms.kl import kl_estimate
+from async_rl.algorithms.losses import LOSSES
 from async_rl.algorithms.opmd import opmd_loss
 from async_rl.algorithms.ppo import ppo_clip_loss
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from reference_formulas import D, INF, NAN, batch, ref_off_policy
+from reference_formulas import INF, NAN, D, batch, ref_off_policy
 
 from async_rl.algorithms.importance import EffectiveSampleSize, importance_weights, off_policy_figures
 from async_rl.algorithms.step_metrics import Mean, StepMetrics

@@ -8,11 +8,11 @@ import pytest
 import torch
 from reference_formulas import AGGS, batch, close
 
-from async_rl.algorithms.losses import CLIP_FRACTIONS, LOSSES, LossInputs, LossOutput
-from async_rl.algorithms.step_metrics import Mean
 from async_rl.algorithms.aggregation import agg_denominator
+from async_rl.algorithms.losses import CLIP_FRACTIONS, LOSSES, LossInputs, LossOutput
 from async_rl.algorithms.opmd import opmd_loss
 from async_rl.algorithms.ppo import ppo_clip_loss
+from async_rl.algorithms.step_metrics import Mean
 from async_rl.config import build_config
 
 
@@ -64,6 +64,6 @@ def test_every_loss_has_one_call_shape(name):
     assert out.loss.dim() == 0 and out.loss.requires_grad and torch.isfinite(out.loss)
     (grad,) = torch.autograd.grad(out.loss, x.logp)
     assert torch.isfinite(grad).all() and (grad[x.mask == 0] == 0).all()
-    assert set(CLIP_FRACTIONS) <= out.metrics.keys()  # DESIGN.md: is/clip_frac on every step line
+    assert set(CLIP_FRACTIONS) <= out.metrics.keys()  # the run directory contract: is/clip_frac on every step line
     assert all(isinstance(f, Mean) and f.weight > 0 for f in out.metrics.values())
     assert LOSSES[name].units(x.mask, x.group, "token-mean") > 0

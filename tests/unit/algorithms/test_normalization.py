@@ -7,10 +7,10 @@ import pytest
 import torch
 from reference_formulas import AGGS, D, batch, close
 
-from async_rl.algorithms.losses import LOSSES, LossInputs
-from async_rl.algorithms.normalization import Shares, Units, backward_share, global_units
 from async_rl.algorithms.aggregation import aggregate
 from async_rl.algorithms.gae import value_loss
+from async_rl.algorithms.losses import LOSSES, LossInputs
+from async_rl.algorithms.normalization import Shares, Units, backward_share, global_units
 from async_rl.config import build_config
 
 # Two ranks of whole groups (ids 30, -4 | 8, 11), each cut into micro-batches of whole groups.

@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from async_rl.algorithms.advantages import ADVANTAGES
-from async_rl.algorithms.advantages import group_advantages, process_advantages
+from async_rl.algorithms.advantages import ADVANTAGES, group_advantages, process_advantages
 
 NAN = float("nan")
 

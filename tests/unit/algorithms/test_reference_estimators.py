@@ -2,7 +2,7 @@
 independent references: group advantages, ReMax, token rewards, discounted returns, whitening
 and REINFORCE++ (with sharded reduce_sum), GAE, the value loss, entropy and KL gradients.
 
-The references (tests/reference_formulas.py) are written from ../shared/DESIGN.md's formulas
+The references (tests/reference_formulas.py) are written from the formulas of docs/algorithms.md (Notation and formulas)
 without calling async_rl code; comparisons are in float64 on random right-padded batches with
 inf/nan garbage in every padded position.
 """
@@ -15,10 +15,10 @@ import pytest
 import torch
 from reference_formulas import (
     AGGS,
-    D,
     INF,
     NAN,
     STD_EPS,
+    D,
     batch,
     close,
     garbage_pad,
@@ -33,11 +33,17 @@ from reference_formulas import (
     t,
 )
 
-from async_rl.algorithms.advantages import discounted_returns, group_advantages, masked_whiten, reinforce_pp_advantages, remax_advantages, token_rewards
+from async_rl.algorithms.advantages import (
+    discounted_returns,
+    group_advantages,
+    masked_whiten,
+    reinforce_pp_advantages,
+    remax_advantages,
+    token_rewards,
+)
+from async_rl.algorithms.entropy import token_entropy
 from async_rl.algorithms.gae import gae_advantages, value_loss
 from async_rl.algorithms.kl import kl_estimate
-from async_rl.algorithms.entropy import token_entropy
-
 
 # ============================================================== group / ReMax advantages
 
@@ -117,7 +123,8 @@ def sharded(run, shards):
     local = []
     for rows in shards:
         run(rows, lambda v: local.append(v.clone()) or v)
-    outs = [run(rows, lambda v, o=sum(local) - local[i]: v + o) for i, rows in enumerate(shards)]
+    others = [sum(local) - mine for mine in local]  # each shard's view of the other's sums
+    outs = [run(rows, lambda v, o=others[i]: v + o) for i, rows in enumerate(shards)]
     return torch.cat(outs)
 
 

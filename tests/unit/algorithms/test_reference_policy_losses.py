@@ -1,7 +1,7 @@
 """PPO (decoupled / naive, dual clip, every statistic) and OPMD (length_norm, groups of one)
 against hand arithmetic and independent references.
 
-The references (tests/reference_formulas.py) are written from ../shared/DESIGN.md's formulas
+The references (tests/reference_formulas.py) are written from the formulas of docs/algorithms.md (Notation and formulas)
 without calling async_rl code. The tests compare the library's values *and*
 `torch.autograd.grad` of its losses against them in float64 on random right-padded batches
 with inf/nan garbage in every padded position. tests/test_algorithms.py already covers the
@@ -17,10 +17,10 @@ import torch
 from reference_formulas import (
     AGGS,
     ATOL,
-    D,
     INF,
     LENGTHS,
     NAN,
+    D,
     agg_coef,
     batch,
     close,
@@ -33,11 +33,10 @@ from reference_formulas import (
     t,
 )
 
-from async_rl.algorithms.losses import LOSSES
 from async_rl.algorithms.importance import off_policy_figures
+from async_rl.algorithms.losses import LOSSES
 from async_rl.algorithms.opmd import opmd_loss
 from async_rl.algorithms.ppo import ppo_clip_loss
-
 
 # ============================================================== PPO
 

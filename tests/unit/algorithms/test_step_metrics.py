@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from async_rl.algorithms.step_metrics import Count, Mean, StepMetrics
 from async_rl.algorithms.importance import EffectiveSampleSize
+from async_rl.algorithms.step_metrics import Count, Mean, StepMetrics
 
 
 def ranks(*metrics: StepMetrics) -> list[dict[str, float]]:

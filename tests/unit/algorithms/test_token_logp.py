@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from async_rl.algorithms.token_logp import chosen_logp
 from async_rl.algorithms import token_logp
+from async_rl.algorithms.token_logp import chosen_logp
 
 
 def reference(logits, targets, temperature):

@@ -2,7 +2,8 @@
 import random
 import threading
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from async_rl.coordinator.admission import Admission
 from async_rl.coordinator.replay_buffer import ReplayBuffer

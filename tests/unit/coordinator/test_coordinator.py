@@ -10,9 +10,20 @@ import zmq
 from conftest import ask, dealer, running_coordinator, wait_for
 
 from async_rl.run.directory import RunDir
+from async_rl.wire import (
+    EvalGrant,
+    EvalResult,
+    ExperienceGroup,
+    Goodbye,
+    Hello,
+    Wait,
+    Welcome,
+    WorkGrant,
+    WorkRequest,
+    encode,
+    send,
+)
 from async_rl.wire.messages import FAILURE_REASONS
-from async_rl.wire import (EvalGrant, EvalResult, ExperienceGroup, Goodbye, Hello, Wait, Welcome, WorkGrant, WorkRequest,
-                                encode, send)
 
 G = 2
 
@@ -187,8 +198,8 @@ def test_membership_change_brings_up_to_date_actors_into_the_new_group(hub):
     part in the new epoch's broadcast, or the group can never form."""
     import threading
 
+    from async_rl.weight_transfer.receiver import ParameterReceiver
     from async_rl.wire import SyncDone, SyncOrder
-    from async_rl.weight_transfer.receiver import WeightReceiver
 
     coord, ctx, _ = hub
     coord.advance(1)
@@ -202,7 +213,7 @@ def test_membership_change_brings_up_to_date_actors_into_the_new_group(hub):
             time.sleep(0.02)
         else:
             raise AssertionError(f"actor {actor_id} at version {version} never got a SyncOrder")
-        receiver = WeightReceiver([("w", params)], bucket_mb=1, backend="gloo", timeout_s=5)
+        receiver = ParameterReceiver([("w", params)], bucket_mb=1, backend="gloo", timeout_s=5)
         receiver.receive(epoch=reply.epoch, rank=reply.rank, world_size=reply.world_size,
                          store_host=reply.store_host, store_port=reply.store_port)
         send(sock, SyncDone(actor_id=actor_id, epoch=reply.epoch, version=reply.version))
@@ -211,7 +222,7 @@ def test_membership_change_brings_up_to_date_actors_into_the_new_group(hub):
     a = dealer(ctx, coord.hub_addr)
     wa = ask(a, Hello(actor_name="a", pid=1, host="h"))
     params_a = torch.zeros(4)
-    coord.broadcaster.publish(1, iter([("w", torch.full((4,), 7.0))]))
+    coord.sender.publish(1, iter([("w", torch.full((4,), 7.0))]))
     first = sync_once(a, wa.actor_id, 0, params_a)
     assert first.world_size == 2 and torch.equal(params_a, torch.full((4,), 7.0))
 
@@ -324,10 +335,10 @@ def test_the_coordinator_sums_counts_into_its_checkpoint_state_and_old_states_me
     from async_rl.config import build_config
     from async_rl.coordinator.coordinator import Coordinator
     from async_rl.tasks import make_task
-    from async_rl.weight_transfer.broadcaster import WeightBroadcaster
+    from async_rl.weight_transfer.sender import WeightSender
 
     cfg = build_config({"learner": {"ranks": 1}})
-    bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
+    bc = WeightSender([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=5)
     try:
         coord = Coordinator(cfg, make_task("arithmetic", seed=0), bc, tmp_path)

@@ -1,12 +1,9 @@
 """Evaluation on the actors: rounds pinned to one version, chunks, restarts, metrics."""
 import numpy as np
 import pytest
-import torch
 
-from async_rl.actor.engines.torch_engine import TorchEngine
 from async_rl.coordinator.eval_rounds import EvalRounds, summarize
-from async_rl.tasks.prompt_format import PromptFormat
-from async_rl.tasks import EVAL_ID_OFFSET, PromptIndex, make_task
+from async_rl.tasks import EVAL_ID_OFFSET
 from async_rl.wire import EvalResult
 
 IDS = [EVAL_ID_OFFSET + k for k in range(5)]
@@ -82,7 +79,7 @@ def test_rounds_queue_in_request_order_and_a_repeated_request_is_one_round():
     assert rounds.grant(0, 3, {3}) is None  # the next round wants version >= 10
     g = rounds.grant(0, 10, {10})
     rounds.on_result(result(g, 0))
-    assert [l["step"] for l in rounds.take_done()] == [3, 10]
+    assert [line["step"] for line in rounds.take_done()] == [3, 10]
 
 
 def test_summarize_accuracy_and_pass_at_k():

@@ -12,8 +12,8 @@ import torch
 from async_rl.config import build_config
 from async_rl.coordinator.coordinator import Coordinator
 from async_rl.tasks import make_task
+from async_rl.weight_transfer.sender import WeightSender
 from async_rl.wire import ExperienceGroup, Hello, WorkRequest, encode
-from async_rl.weight_transfer.broadcaster import WeightBroadcaster
 
 G, B = 2, 4
 
@@ -33,7 +33,7 @@ def test_every_admitted_slot_is_in_exactly_one_place(tmp_path, seed):
     cfg = build_config({"max_staleness": 1, "learner": {"ranks": 1},
                         "train": {"batch_groups": B, "group_size": G}, "actors": {"groups_per_request": 3}})
     task = make_task("arithmetic", seed=0)
-    bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
+    bc = WeightSender([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=5)
     coord = Coordinator(cfg, task, bc, tmp_path)  # not started: the test hands it the hub's messages
     consumed: list[int] = []

@@ -1,8 +1,8 @@
 """The learning-rate schedule against hand-computed values."""
 import pytest
 
-from async_rl.learner.optimizer import lr_factor
 from async_rl.config import build_config
+from async_rl.learner.optimizer import lr_factor
 
 
 @pytest.mark.parametrize("schedule, step, want", [

@@ -22,10 +22,11 @@ def tiny_models():
 def test_packed_logp_equal_padded(attn):
     """Response-token log-probs and entropies of the packed forward = the padded forward,
     with rows as long as the longest sequence and with everything in one row."""
+    from workers.fsdp_step import synthetic_groups
+
     from async_rl.learner.batching import build_batch
     from async_rl.learner.packing import layout, packing_error
     from async_rl.learner.step import forward_logp
-    from workers.fsdp_step import synthetic_groups
 
     batch = build_batch(synthetic_groups(6, 4, seed=3), pad_id=0)
     mask = batch.loss_mask.bool()
@@ -48,10 +49,11 @@ def test_packed_logp_equal_padded(attn):
 def test_shared_prompt_layout_counts_each_prompt_once_and_has_the_same_gradients():
     """Each group's prompt is in the packed rows once, and the gradient of a loss on the
     shared layout equals the padded one (the prompt's activations collect all G responses')."""
+    from workers.fsdp_step import synthetic_groups
+
     from async_rl.learner.batching import build_batch
     from async_rl.learner.packing import pack
     from async_rl.learner.step import forward_logp
-    from workers.fsdp_step import synthetic_groups
 
     groups = synthetic_groups(3, 4, seed=5)
     batch = build_batch(groups, pad_id=0)

@@ -3,13 +3,13 @@ attention kernel it is loaded with (learner.attention)."""
 
 import pytest
 import torch
+from workers.fsdp_step import synthetic_groups
 
-from async_rl.learner.batching import build_batch
 from async_rl.config import build_config
+from async_rl.learner.batching import build_batch
 from async_rl.learner.models import build_models
 from async_rl.learner.sharding import full_parameters
 from async_rl.learner.step import train_step
-from workers.fsdp_step import synthetic_groups
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

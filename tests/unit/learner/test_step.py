@@ -1,5 +1,5 @@
 """train_step in a one-process gloo world on a tiny Llama: the diagnostics each algorithm
-logs (every key DESIGN.md and docs/algorithms.md name), the histogram weights agree with
+logs (every key docs/observability.md and docs/algorithms.md name), the histogram weights agree with
 is/ess, and the caller's batch is left as it was. Numerical equality with sharded runs is
 tests/integration/test_fsdp.py's."""
 import collections
@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from transformers import LlamaForCausalLM
+from workers.fsdp_step import synthetic_groups
 
-from async_rl.learner.batching import build_batch
 from async_rl.config import build_config
-from async_rl.models.critic import ValueModel
+from async_rl.learner.batching import build_batch
 from async_rl.learner.models import Models
 from async_rl.learner.step import train_step
-from workers.fsdp_step import synthetic_groups
+from async_rl.models.critic import ValueModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -156,7 +156,7 @@ def test_groups_without_advantage_are_skipped_with_the_same_update(world, model_
         train_step(cfg, models, _flat_groups_batch([]))
         calls = []
         packed_logits = packing.packed_logits
-        monkeypatch.setattr(packing, "packed_logits", lambda model, p: calls.append(1) or packed_logits(model, p))
+        monkeypatch.setattr(packing, "packed_logits", lambda model, p, calls=calls, original=packed_logits: calls.append(1) or original(model, p))
         stats = train_step(cfg, models, _flat_groups_batch(flat))
         monkeypatch.setattr(packing, "packed_logits", packed_logits)
         assert stats["train/zero_adv_group_frac"] == len(flat) / 4 and stats["learner/skipped_steps"] == 0

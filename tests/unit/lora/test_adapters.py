@@ -11,12 +11,13 @@ from transformers import AutoModelForCausalLM
 
 peft = pytest.importorskip("peft")
 
-from async_rl.lora.config import LoraConfig  # noqa: E402
+from conftest import wait_for_job  # noqa: E402
+
 from async_rl.actor.engines.torch_engine import TorchEngine  # noqa: E402
 from async_rl.lora.adapters import adapter_parameters, base_only, check_targets, is_adapter, save_adapter, with_adapters  # noqa: E402
-from async_rl.weight_transfer.broadcaster import WeightBroadcaster  # noqa: E402
-from async_rl.weight_transfer.receiver import WeightReceiver
-from conftest import wait_for_job  # noqa: E402
+from async_rl.lora.config import LoraConfig  # noqa: E402
+from async_rl.weight_transfer.receiver import ParameterReceiver  # noqa: E402
+from async_rl.weight_transfer.sender import WeightSender  # noqa: E402
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
 X = torch.tensor([[1, 5, 9, 12, 3, 7, 7, 2, 9, 4]])
@@ -83,13 +84,13 @@ def test_an_adapter_only_sync_gives_the_actor_the_learners_merged_model(chat_mod
     assert [n for n, _ in synced] == [n for n, _ in sent]
     full = sum(p.numel() for p in learner.parameters())
     assert sum(p.numel() for _, p in sent) < 0.2 * full  # the tiny model; SmolLM2's share is in docs/lora.md
-    bc = WeightBroadcaster([(n, tuple(p.shape), p.dtype) for n, p in sent], bucket_mb=0.001, host="127.0.0.1",
+    bc = WeightSender([(n, tuple(p.shape), p.dtype) for n, p in sent], bucket_mb=0.001, host="127.0.0.1",
                            backend="gloo", device=torch.device("cpu"), timeout_s=20)
     try:
         bc.set_members([1])
         bc.publish(1, iter([(n, p.detach()) for n, p in sent]))
         job = wait_for_job(bc, [1])
-        receiver = WeightReceiver(synced, bucket_mb=0.001, backend="gloo", timeout_s=20)
+        receiver = ParameterReceiver(synced, bucket_mb=0.001, backend="gloo", timeout_s=20)
         t = threading.Thread(target=receiver.receive, kwargs=dict(epoch=job.epoch, rank=job.rank_of(1), world_size=2,
                                                                  store_host=bc.host, store_port=bc.port))
         t.start()
@@ -114,7 +115,7 @@ def test_an_adapter_only_sync_gives_the_actor_the_learners_merged_model(chat_mod
 def _ipc_lora_actor(chat_model: str, host: str, port: int, epoch: int, conn) -> None:
     torch.cuda.set_device(0)
     engine = TorchEngine(chat_model, device="cuda", eos_token_id=None, lora=LORA)
-    receiver = WeightReceiver(engine.parameters_for_sync(), bucket_mb=0.001, backend="nccl", timeout_s=30)
+    receiver = ParameterReceiver(engine.parameters_for_sync(), bucket_mb=0.001, backend="nccl", timeout_s=30)
     receiver.receive(epoch=epoch, rank=1, world_size=2, store_host=host, store_port=port)
     engine.set_version(1)
     with torch.no_grad():
@@ -131,7 +132,7 @@ def test_an_adapter_only_cuda_ipc_sync_gives_the_actor_the_learners_merged_model
     device = torch.device("cuda", 0)
     learner = _trained(chat_model).to(device)
     sent = adapter_parameters(learner)
-    bc = WeightBroadcaster([(n, tuple(p.shape), p.dtype) for n, p in sent], bucket_mb=0.001, host="127.0.0.1",
+    bc = WeightSender([(n, tuple(p.shape), p.dtype) for n, p in sent], bucket_mb=0.001, host="127.0.0.1",
                            backend="nccl", device=device, timeout_s=30)
     parent, child = mp.get_context("spawn").Pipe()
     proc = None

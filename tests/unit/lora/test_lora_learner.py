@@ -8,14 +8,15 @@ import torch
 
 pytest.importorskip("peft")
 
+from workers.fsdp_step import synthetic_groups  # noqa: E402
+
+from async_rl.config import build_config  # noqa: E402
 from async_rl.learner.batching import build_batch  # noqa: E402
 from async_rl.learner.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from async_rl.config import build_config  # noqa: E402
-from async_rl.lora.adapters import is_adapter  # noqa: E402
 from async_rl.learner.models import build_models  # noqa: E402
 from async_rl.learner.sharding import full_parameters  # noqa: E402
 from async_rl.learner.step import train_step  # noqa: E402
-from workers.fsdp_step import synthetic_groups  # noqa: E402
+from async_rl.lora.adapters import is_adapter  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -10,14 +10,28 @@ from types import SimpleNamespace
 
 import msgpack
 import pytest
-from conftest import flip_one_bit, truncate_half
 import torch
 import torch.distributed as dist
+from conftest import flip_one_bit, truncate_half
 
-from async_rl.learner.checkpoint import BUFFER_FILE, STATE_FILE, load_checkpoint, read_groups, save_checkpoint, write_groups
-from async_rl.run.checkpoints import (MANIFEST, CheckpointError, check_partition, complete_checkpoints,
-                                           latest_checkpoint, latest_intact_checkpoint, verify_checkpoint,
-                                           write_manifest)
+from async_rl.learner.checkpoint import (
+    BUFFER_FILE,
+    STATE_FILE,
+    load_checkpoint,
+    read_groups,
+    save_checkpoint,
+    write_groups,
+)
+from async_rl.run.checkpoints import (
+    MANIFEST,
+    CheckpointError,
+    check_partition,
+    complete_checkpoints,
+    latest_checkpoint,
+    latest_intact_checkpoint,
+    verify_checkpoint,
+    write_manifest,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

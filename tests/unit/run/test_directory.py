@@ -1,4 +1,4 @@
-"""run_dir.py: waiting for the hub's address, as the launcher and an actor started with
+"""run/directory.py: waiting for the hub's address, as the launcher and an actor started with
 `--run-dir` do: it comes when endpoints.json does, and a reason to give up or the
 deadline ends the wait."""
 import json

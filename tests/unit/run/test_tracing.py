@@ -1,5 +1,5 @@
-"""The timeline (async_rl/tracing.py): bounded span recorders, the Chrome-trace file that
-the run reader (async_rl/run_dir.py) reads, actors' spans shipped over the wire and
+"""The timeline (async_rl/run/tracing.py): bounded span recorders, the Chrome-trace file that
+the run reader (async_rl/run/directory.py) reads, actors' spans shipped over the wire and
 accepted (or rejected and counted) by a real coordinator."""
 import json
 import time
@@ -7,17 +7,22 @@ import time
 import numpy as np
 import pytest
 import zmq
-from conftest import running_coordinator
-from conftest import ask, dealer, wait_for
+from conftest import ask, dealer, running_coordinator, wait_for
 from wire_samples import make_spans
 
 from async_rl.actor.process import _ship_spans
 from async_rl.run.directory import read_trace
-from async_rl.run.tracing import (ACTOR_SPANS, SPAN_ARG_KEYS, Span, SpanRecorder, TraceWriter, WaitSpan,
-                              spans_from_arrays, spans_to_arrays)
+from async_rl.run.tracing import (
+    ACTOR_SPANS,
+    SPAN_ARG_KEYS,
+    Span,
+    SpanRecorder,
+    TraceWriter,
+    WaitSpan,
+    spans_from_arrays,
+    spans_to_arrays,
+)
 from async_rl.wire import Hello, RejectCounter, TraceSpans, WireLimits, encode, recv, send
-
-
 
 # ------------------------------------------------------------------ recorder
 

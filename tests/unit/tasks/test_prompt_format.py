@@ -4,8 +4,8 @@ import json
 import pytest
 from conftest import build_chat_tokenizer
 
-from async_rl.tasks.prompt_format import CUT_MARK, PromptFormat, prompt_limit, stop_token_ids
 from async_rl.tasks import Prompt
+from async_rl.tasks.prompt_format import CUT_MARK, PromptFormat, prompt_limit, stop_token_ids
 
 QUESTION = "What is 7 + 5? Answer with just the number."
 

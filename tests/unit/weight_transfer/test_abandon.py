@@ -1,4 +1,4 @@
-"""abandon.py: a wait that gives up as soon as asked, leaving its transfer behind; the
+"""weight_transfer/store.py, abandoning: a wait that gives up as soon as asked, leaving its transfer behind; the
 abandon record a member polls, on a real TCPStore."""
 import datetime
 import threading
@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from async_rl.weight_transfer.errors import SyncAbandoned
-from async_rl.weight_transfer.abandon import mark_abandoned, member_gives_up, run_abandonable
+from async_rl.weight_transfer.store import mark_abandoned, member_gives_up, run_abandonable
 
 
 def test_gives_up_at_once_and_leaves_the_stuck_transfer_behind():

@@ -7,10 +7,20 @@ import msgspec
 import pytest
 import torch.distributed as dist
 
+from async_rl.weight_transfer import store as handshake
 from async_rl.weight_transfer.errors import SyncAbandoned
-from async_rl.weight_transfer import handshake
-from async_rl.weight_transfer.records import (Abandon, Arrival, Decision, Go, Group, IpcOrder, LearnerInfo, decision_key,
-                                          decode, encode)
+from async_rl.weight_transfer.store import (
+    Abandon,
+    Arrival,
+    Decision,
+    Go,
+    Group,
+    IpcOrder,
+    LearnerInfo,
+    decision_key,
+    decode,
+    encode,
+)
 
 
 def raw(value) -> bytes:
@@ -94,7 +104,7 @@ def test_the_store_listens_on_its_host_alone():
     bound to transport.host, and still serves clients there."""
     import psutil
 
-    from async_rl.weight_transfer.broadcaster import store_bound_to
+    from async_rl.weight_transfer.sender import store_bound_to
 
     store = store_bound_to("127.0.0.1", 0, timeout_s=5)
     listening = [c.laddr for c in psutil.Process().net_connections(kind="tcp")

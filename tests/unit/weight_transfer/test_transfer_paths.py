@@ -12,17 +12,16 @@ import torch
 import transformers
 from conftest import wait_for_job
 
-from async_rl.config import ConfigError, build_config
 from async_rl.actor.engines.torch_engine import TorchEngine
-from async_rl.weight_transfer.errors import SyncAbandoned
-from async_rl.weight_transfer.broadcaster import WeightBroadcaster
-from async_rl.weight_transfer.receiver import WeightReceiver
-from async_rl.weight_transfer.transports import choose_transport
+from async_rl.config import ConfigError, build_config
 from async_rl.weight_transfer import cuda_ipc
+from async_rl.weight_transfer.buckets import plan_buckets
+from async_rl.weight_transfer.errors import SyncAbandoned
 from async_rl.weight_transfer.gloo_chain import chained
-from async_rl.weight_transfer.plan import plan_buckets
-from async_rl.weight_transfer.records import IpcBucket, LearnerInfo, decode, encode
-from async_rl.weight_transfer.transports import learner_info
+from async_rl.weight_transfer.receiver import ParameterReceiver
+from async_rl.weight_transfer.sender import WeightSender
+from async_rl.weight_transfer.store import IpcBucket, LearnerInfo, decode, encode
+from async_rl.weight_transfer.transports import choose_transport, learner_info
 
 CPU = torch.device("cpu")
 
@@ -44,7 +43,7 @@ def test_receiver_makes_parameters_views_of_its_buckets_without_changing_the_mod
     engine = TorchEngine(tiny_tied_llama(0), eos_token_id=None)
     prompts = [[1, 2, 3], [4, 5]]
     before = engine.generate(prompts, max_new_tokens=6, greedy=True)
-    receiver = WeightReceiver(engine.parameters_for_sync(), bucket_mb=0.01, backend="gloo", timeout_s=5)
+    receiver = ParameterReceiver(engine.parameters_for_sync(), bucket_mb=0.01, backend="gloo", timeout_s=5)
     assert len(receiver.plan) > 1
     after = engine.generate(prompts, max_new_tokens=6, greedy=True)
     for b, a in zip(before, after):
@@ -65,12 +64,12 @@ def test_a_bf16_engine_receives_the_float32_learners_weights_in_bf16():
     source = list(tiny_tied_llama(1).named_parameters())
     engine = TorchEngine(tiny_tied_llama(0), eos_token_id=None, dtype=torch.bfloat16)
     wire = [(n, shape, torch.bfloat16) for n, shape, _ in specs(source)]
-    bc = WeightBroadcaster(wire, bucket_mb=0.001, host="127.0.0.1", backend="gloo", device=CPU, timeout_s=20)
+    bc = WeightSender(wire, bucket_mb=0.001, host="127.0.0.1", backend="gloo", device=CPU, timeout_s=20)
     try:
         bc.set_members((0,))
         bc.publish(1, ((n, p.detach()) for n, p in source))
         job = wait_for_job(bc, (0,))
-        receiver = WeightReceiver(engine.parameters_for_sync(), bucket_mb=0.001, backend="gloo", timeout_s=20)
+        receiver = ParameterReceiver(engine.parameters_for_sync(), bucket_mb=0.001, backend="gloo", timeout_s=20)
         assert [b.dtype for b in receiver.plan] == [b.dtype for b in bc.plan] == [torch.bfloat16] * len(bc.plan)
         receiver.receive(epoch=job.epoch, rank=job.rank_of(0), world_size=2, store_host=bc.host, store_port=bc.port)
         engine.set_version(1)
@@ -89,14 +88,14 @@ def test_staged_receiver_delivers_into_the_buckets_its_parameters_view(bucket_by
     once, and is then copied into the live buckets, which the parameters still view."""
     source = [(f"w{i}", torch.randn(64)) for i in range(4)]  # one 256-byte bucket each, or one bucket in all
     params = [(n, torch.zeros(64)) for n, _ in source]
-    receiver = WeightReceiver(params, bucket_mb=bucket_bytes / 2**20, backend="gloo", timeout_s=10)
+    receiver = ParameterReceiver(params, bucket_mb=bucket_bytes / 2**20, backend="gloo", timeout_s=10)
     assert len(receiver.plan) == (4 if bucket_bytes == 256 else 1)
     assert [(t.shape, t.dtype, t.device) for t in receiver.staging] == [(t.shape, t.dtype, t.device)
                                                                          for t in receiver.buckets]
     live = {flat.untyped_storage().data_ptr() for flat in receiver.buckets}
     staging = [flat.data_ptr() for flat in receiver.staging]
     assert not live & {flat.untyped_storage().data_ptr() for flat in receiver.staging}
-    bc = WeightBroadcaster(specs(source), bucket_mb=bucket_bytes / 2**20, host="127.0.0.1", backend="gloo",
+    bc = WeightSender(specs(source), bucket_mb=bucket_bytes / 2**20, host="127.0.0.1", backend="gloo",
                            device=CPU, timeout_s=10)
     try:
         bc.set_members([1])
@@ -117,11 +116,11 @@ def test_staged_receiver_delivers_into_the_buckets_its_parameters_view(bucket_by
 
 def test_publish_broadcasts_a_bucket_before_the_rest_is_filled():
     source = [(f"w{i}", torch.full((64,), float(i))) for i in range(4)]  # one 256-byte bucket each
-    bc = WeightBroadcaster(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="gloo", device=CPU,
+    bc = WeightSender(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="gloo", device=CPU,
                            timeout_s=10)
     params = [(n, torch.zeros(64)) for n, _ in source]
     # Unstaged, so that bucket 0 shows in the parameters the moment it arrives.
-    receiver = WeightReceiver(params, bucket_mb=256 / 2**20, backend="gloo", timeout_s=10, staged=False)
+    receiver = ParameterReceiver(params, bucket_mb=256 / 2**20, backend="gloo", timeout_s=10, staged=False)
     def receive(version):
         deadline = time.time() + 10
         while (bc.job() is None or bc.job().version != version) and time.time() < deadline:
@@ -157,10 +156,10 @@ def test_one_bucket_set_makes_publish_wait_for_the_broadcast_that_reads_it():
     """sync.double_buffer=false: one full copy of the weights on rank 0, not two; a publish
     during a broadcast waits for it instead of overwriting what is being sent."""
     source = [(f"w{i}", torch.full((64,), float(i))) for i in range(4)]
-    bc = WeightBroadcaster(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="gloo", device=CPU,
+    bc = WeightSender(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="gloo", device=CPU,
                            timeout_s=10, double_buffer=False)
     params = [(n, torch.zeros(64)) for n, _ in source]
-    receiver = WeightReceiver(params, bucket_mb=256 / 2**20, backend="gloo", timeout_s=10)
+    receiver = ParameterReceiver(params, bucket_mb=256 / 2**20, backend="gloo", timeout_s=10)
     published = threading.Event()
     try:
         assert len(bc.buffers.sets) == 1
@@ -216,7 +215,7 @@ def test_transport_choice_store_entry_and_config():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     assert build_config({"transport": {"store_port": port}}).transport.store_port == port
-    bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo", device=CPU,
+    bc = WeightSender([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo", device=CPU,
                            timeout_s=5, port=port)
     try:
         assert bc.port == port
@@ -228,13 +227,13 @@ def test_a_vllm_run_refuses_torch_receivers_at_once():
     """engine="vllm" plans vLLM's packed layout, which a torch receiver cannot take: rank 0
     abandons the epoch (one log line) instead of letting anyone wait for the timeout."""
     with pytest.raises(ValueError, match="engine"):
-        WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo", device=CPU,
+        WeightSender([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo", device=CPU,
                           timeout_s=5, engine="sglang")
     source = [("w0", torch.randn(16)), ("w1", torch.randn(4, 4).to(torch.bfloat16))]
-    bc = WeightBroadcaster(specs(source), bucket_mb=1, host="127.0.0.1", backend="gloo", device=CPU, timeout_s=10,
+    bc = WeightSender(specs(source), bucket_mb=1, host="127.0.0.1", backend="gloo", device=CPU, timeout_s=10,
                            engine="vllm")
     assert [b.dtype for b in bc.plan] == [torch.uint8] and bc.plan[0].numel == 16 * 4 + 16 * 2
-    receiver = WeightReceiver([(n, torch.zeros_like(t)) for n, t in source], bucket_mb=1, backend="gloo",
+    receiver = ParameterReceiver([(n, torch.zeros_like(t)) for n, t in source], bucket_mb=1, backend="gloo",
                               timeout_s=10)
     try:
         bc.set_members([1])
@@ -268,7 +267,7 @@ def test_cuda_ipc_handle_format_round_trip_and_checks():
 def _ipc_actor(host: str, port: int, names, conn) -> None:
     torch.cuda.set_device(0)
     params = [(n, torch.zeros(8, 8, device="cuda")) for n in names]
-    receiver = WeightReceiver(params, bucket_mb=256 / 2**20, backend="nccl", timeout_s=30)
+    receiver = ParameterReceiver(params, bucket_mb=256 / 2**20, backend="nccl", timeout_s=30)
     epoch = conn.recv()
     receiver.receive(epoch=epoch, rank=1, world_size=2, store_host=host, store_port=port)
     conn.send((receiver.transport, [p.cpu().tolist() for _, p in params]))  # plain data: this process exits now
@@ -278,7 +277,7 @@ def _ipc_actor(host: str, port: int, names, conn) -> None:
 def test_cuda_ipc_actor_on_the_learners_gpu_gets_the_weights():
     device = torch.device("cuda", 0)
     source = [(f"w{i}", torch.randn(8, 8, device=device)) for i in range(3)]
-    bc = WeightBroadcaster(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="nccl",
+    bc = WeightSender(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="nccl",
                            device=device, timeout_s=30)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -303,7 +302,7 @@ def test_cuda_ipc_actor_on_the_learners_gpu_gets_the_weights():
 def test_nccl_broadcast_from_the_side_stream():
     device = torch.device("cuda", 0)
     source = [(f"w{i}", torch.randn(64, device=device)) for i in range(5)]
-    bc = WeightBroadcaster(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="nccl",
+    bc = WeightSender(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="nccl",
                            device=device, timeout_s=30)
     errors = []
 
@@ -311,7 +310,7 @@ def test_nccl_broadcast_from_the_side_stream():
         try:
             torch.cuda.set_device(1)
             params = [(n, torch.zeros(64, device="cuda:1")) for n, _ in source]
-            receiver = WeightReceiver(params, bucket_mb=256 / 2**20, backend="nccl", timeout_s=30)
+            receiver = ParameterReceiver(params, bucket_mb=256 / 2**20, backend="nccl", timeout_s=30)
             job = wait_for_job(bc, [1])
             receiver.receive(epoch=job.epoch, rank=1, world_size=2, store_host=bc.host, store_port=bc.port)
             assert receiver.transport == "nccl"
@@ -336,7 +335,7 @@ def test_gloo_chain_with_gpu_buckets_on_both_ends():
     take host memory, so rank 0 keeps its buckets on the host and members stage theirs."""
     device = torch.device("cuda", 0)
     source = [(f"w{i}", torch.randn(64, device=device)) for i in range(5)]
-    bc = WeightBroadcaster(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="nccl",
+    bc = WeightSender(specs(source), bucket_mb=256 / 2**20, host="127.0.0.1", backend="nccl",
                            device=device, timeout_s=30, transport="gloo")
     assert bc.backend == "gloo" and all(t.device.type == "cpu" for t in bc.buffers.sets[0].tensors)
     errors, receivers = [], {}
@@ -345,7 +344,7 @@ def test_gloo_chain_with_gpu_buckets_on_both_ends():
         try:
             torch.cuda.set_device(0)
             params = [(n, torch.zeros(64, device=device)) for n, _ in source]
-            receivers[actor_id] = WeightReceiver(params, bucket_mb=256 / 2**20, backend="gloo", timeout_s=30)
+            receivers[actor_id] = ParameterReceiver(params, bucket_mb=256 / 2**20, backend="gloo", timeout_s=30)
             job = wait_for_job(bc, [1, 2])
             receivers[actor_id].receive(epoch=job.epoch, rank=job.rank_of(actor_id), world_size=3,
                                         store_host=bc.host, store_port=bc.port)

@@ -19,24 +19,37 @@ import pytest
 import torch
 import transformers
 
-from async_rl.config import ConfigError, build_config
 from async_rl.actor.engines import make_engine
-from async_rl.actor.engines.vllm_engine import completion_from_output, hf_parameter_specs, sampled_logprobs, token_versions
+from async_rl.actor.engines.vllm_engine import (
+    completion_from_output,
+    hf_parameter_specs,
+    sampled_logprobs,
+    token_versions,
+)
+from async_rl.config import ConfigError, build_config
+from async_rl.weight_transfer.buckets import layout_id, plan_packed
 from async_rl.weight_transfer.errors import EpochRejected
-from async_rl.weight_transfer.epochs import plan_epoch
-from async_rl.weight_transfer.plan import plan_packed
-from async_rl.weight_transfer.vllm import transport as vllm_transport
+from async_rl.weight_transfer.gloo_chain import GlooChainSender
+from async_rl.weight_transfer.protocol import SenderContext
+from async_rl.weight_transfer.sender import plan_epoch
+from async_rl.weight_transfer.store import Arrival, Decision, Go, Group, decode, decode_arrival, encode
 from async_rl.weight_transfer.vllm import api as vllm_api
 from async_rl.weight_transfer.vllm import nccl_group as vllm_nccl
-from async_rl.weight_transfer.base import SenderSide
-from async_rl.weight_transfer.gloo_chain import GlooChainSender
-from async_rl.weight_transfer.handshake import decode_arrival
-from async_rl.weight_transfer.plan import layout_id
-from async_rl.weight_transfer.records import Arrival, Decision, Go, Group, decode, encode
+from async_rl.weight_transfer.vllm import transport as vllm_transport
+from async_rl.weight_transfer.vllm.api import (
+    VLLMUnavailable,
+    init_info,
+    pack_for_vllm,
+    packed_chunk_sizes,
+    parse_version,
+    place_wire_params,
+    require_vllm,
+    supported_kwargs,
+    update_info,
+    vllm_world,
+    wire_params,
+)
 from async_rl.weight_transfer.vllm.transport import check_arrivals
-from async_rl.weight_transfer.vllm.api import (VLLMUnavailable, init_info, pack_for_vllm, packed_chunk_sizes,
-                                           parse_version, place_wire_params, require_vllm, supported_kwargs,
-                                           update_info, vllm_world, wire_params)
 
 
 def _tiny_llama(path, *, hidden: int = 32, vocab: int = 16, seed: int = 0) -> str:
@@ -214,10 +227,10 @@ def test_supported_kwargs() -> None:
 
 # -------------------------------------------- rank 0's side of the protocol
 
-def _sender_side(layout=None, device="cpu") -> SenderSide:
+def _sender_side(layout=None, device="cpu") -> SenderContext:
     """What a sender's `prepare` reads: the host to listen on, the device (its
     communicator) and the learner's layout."""
-    return SenderSide(store=None, host="127.0.0.1", device=torch.device(device), timeout_s=5, side_stream=None,
+    return SenderContext(store=None, host="127.0.0.1", device=torch.device(device), timeout_s=5, side_stream=None,
                       bucket_sets=[], layout=layout)
 
 
@@ -229,7 +242,7 @@ def test_plan_epoch_for_vllm_members() -> None:
     assert check_arrivals(plan.members["vllm"], lay) == 4
     # GPU: the decision names the members in order, and a port rank 0 listens on (vLLM's
     # NCCL rendezvous); CPU: the epoch's gloo group forms on rank 0's store, no port.
-    sender = vllm_transport.VLLMSender(_sender_side(lay, device="cuda"))
+    sender = vllm_transport.VLLMTransportSender(_sender_side(lay, device="cuda"))
     group = sender.prepare(1, plan.members["vllm"])
     try:
         assert group.ranks == (1, 2, 3)
@@ -237,7 +250,7 @@ def test_plan_epoch_for_vllm_members() -> None:
             pass
     finally:
         sender.disconnect()
-    assert vllm_transport.VLLMSender(_sender_side(lay)).prepare(1, plan.members["vllm"]) == Group((1, 2, 3))
+    assert vllm_transport.VLLMTransportSender(_sender_side(lay)).prepare(1, plan.members["vllm"]) == Group((1, 2, 3))
     # What each member derives from that decision fits rank 0's world, without overlap.
     wide = {1: Arrival("vllm", 2, lay), 2: Arrival("vllm", 2, lay)}
     world = check_arrivals(wide, lay)

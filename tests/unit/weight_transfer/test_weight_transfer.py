@@ -1,4 +1,4 @@
-"""Bucket planning, and real gloo broadcasts from WeightBroadcaster to receivers: delivery,
+"""Bucket planning, and real gloo broadcasts from WeightSender to receivers: delivery,
 membership, and members that die or never come."""
 import threading
 import time
@@ -7,15 +7,14 @@ import pytest
 import torch
 from conftest import wait_for_job
 
-from async_rl.weight_transfer.errors import SyncAbandoned
-from async_rl.weight_transfer.broadcaster import WeightBroadcaster
-from async_rl.weight_transfer.receiver import WeightReceiver
 from async_rl.weight_transfer import gloo_chain
-from async_rl.weight_transfer.plan import plan_buckets
-from async_rl.weight_transfer.collective import CollectiveReceiver, CollectiveSender
+from async_rl.weight_transfer.buckets import plan_buckets, sync_bucket_bytes
+from async_rl.weight_transfer.errors import SyncAbandoned
 from async_rl.weight_transfer.gloo_chain import chained
+from async_rl.weight_transfer.groups import CollectiveReceiver, CollectiveSender
 from async_rl.weight_transfer.nccl import NcclReceiver, NcclSender
-from async_rl.weight_transfer.plan import sync_bucket_bytes
+from async_rl.weight_transfer.receiver import ParameterReceiver
+from async_rl.weight_transfer.sender import WeightSender
 
 
 def specs(params):
@@ -69,7 +68,7 @@ def test_chain_only_where_it_beats_the_tree():
 @pytest.mark.parametrize("members", [(3, 7), (3, 5, 7)], ids=["chain-of-2", "chain-of-3"])
 def test_broadcast_reaches_all_receivers_and_follows_membership(members):
     source = make_params(0)
-    bc = WeightBroadcaster(specs(source), bucket_mb=0.0005, host="127.0.0.1", backend="gloo",
+    bc = WeightSender(specs(source), bucket_mb=0.0005, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=20)
     receivers = {k: (make_params(k + 10), None) for k in members}
     try:
@@ -81,7 +80,7 @@ def test_broadcast_reaches_all_receivers_and_follows_membership(members):
 
         def receive(actor_id):
             params, _ = receivers[actor_id]
-            r = WeightReceiver(params, bucket_mb=0.0005, backend="gloo", timeout_s=20)
+            r = ParameterReceiver(params, bucket_mb=0.0005, backend="gloo", timeout_s=20)
             r.receive(epoch=job.epoch, rank=job.rank_of(actor_id), world_size=len(members) + 1, store_host=bc.host,
                       store_port=bc.port)
 
@@ -101,7 +100,7 @@ def test_broadcast_reaches_all_receivers_and_follows_membership(members):
 
 def test_missing_member_fails_with_timeout_instead_of_hanging():
     source = make_params(0)
-    bc = WeightBroadcaster(specs(source), bucket_mb=1, host="127.0.0.1", backend="gloo",
+    bc = WeightSender(specs(source), bucket_mb=1, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=1.0)
     try:
         bc.set_members([1])
@@ -193,11 +192,11 @@ def test_member_dying_mid_sync_leaves_survivor_not_intact_until_a_resync(dying_r
     the sync as failed (no acknowledgement from the end of the chain) and resends once the
     dead member is gone."""
     source = make_params(0)
-    bc = WeightBroadcaster(specs(source), bucket_mb=0.0002, host="127.0.0.1", backend="gloo",
+    bc = WeightSender(specs(source), bucket_mb=0.0002, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=10)
     survivor_params = make_params(1)
-    survivor = WeightReceiver(survivor_params, bucket_mb=0.0002, backend="gloo", timeout_s=10, staged=False)
-    dying = WeightReceiver(make_params(2), bucket_mb=0.0002, backend="gloo", timeout_s=10, staged=False)
+    survivor = ParameterReceiver(survivor_params, bucket_mb=0.0002, backend="gloo", timeout_s=10, staged=False)
+    dying = ParameterReceiver(make_params(2), bucket_mb=0.0002, backend="gloo", timeout_s=10, staged=False)
     assert len(survivor.plan) >= 3 and survivor.staging is None
     dying_id, survivor_id = (1, 2) if dying_rank == 1 else (2, 1)
     try:
@@ -235,11 +234,11 @@ def test_member_dying_mid_sync_leaves_staged_survivor_on_its_last_complete_versi
     survivor before it with a complete sync (its forwards already written): then it has
     version 5, whole."""
     old, source = make_params(3), make_params(0)
-    bc = WeightBroadcaster(specs(source), bucket_mb=0.0002, host="127.0.0.1", backend="gloo",
+    bc = WeightSender(specs(source), bucket_mb=0.0002, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=10)
     survivor_params = make_params(1)
-    survivor = WeightReceiver(survivor_params, bucket_mb=0.0002, backend="gloo", timeout_s=10)
-    dying = WeightReceiver(make_params(2), bucket_mb=0.0002, backend="gloo", timeout_s=10)
+    survivor = ParameterReceiver(survivor_params, bucket_mb=0.0002, backend="gloo", timeout_s=10)
+    dying = ParameterReceiver(make_params(2), bucket_mb=0.0002, backend="gloo", timeout_s=10)
     assert len(survivor.plan) >= 3 and survivor.staging is not None
     dying_id, survivor_id = (1, 2) if dying_rank == 1 else (2, 1)
     try:
@@ -289,10 +288,10 @@ def test_membership_change_releases_a_member_waiting_for_a_dead_one():
     """A member that never comes holds nobody for the full timeout: once the membership
     changes, rank 0 abandons the epoch and the waiting member is released, untouched."""
     source = make_params(0)
-    bc = WeightBroadcaster(specs(source), bucket_mb=1, host="127.0.0.1", backend="gloo",
+    bc = WeightSender(specs(source), bucket_mb=1, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=30)
     params = make_params(1)
-    waiting = WeightReceiver(params, bucket_mb=1, backend="gloo", timeout_s=30)
+    waiting = ParameterReceiver(params, bucket_mb=1, backend="gloo", timeout_s=30)
     try:
         bc.set_members([1, 2])  # member 2 is dead and never joins
         bc.publish(3, iter(source))
@@ -316,8 +315,8 @@ def test_membership_change_releases_a_member_waiting_for_a_dead_one():
 def test_a_dead_broadcast_thread_fails_the_next_publish(monkeypatch):
     """A bug that ends the broadcast thread must not leave the learner training for
     actors that will never get its weights: the next publish raises, naming it."""
-    monkeypatch.setattr(WeightBroadcaster, "_run", lambda self: 1 / 0)
-    bc = WeightBroadcaster([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
+    monkeypatch.setattr(WeightSender, "_run", lambda self: 1 / 0)
+    bc = WeightSender([("w", (4,), torch.float32)], bucket_mb=1, host="127.0.0.1", backend="gloo",
                            device=torch.device("cpu"), timeout_s=5)
     try:
         bc._thread.join(timeout=5)

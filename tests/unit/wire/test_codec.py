@@ -10,6 +10,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from wire_samples import CASES, LIMITS, SAMPLES, TIMEOUT_MS, _group, _header_edit, assert_same, make_group, make_spans
 
 from async_rl.wire import (
     MESSAGE_TYPES,
@@ -27,8 +28,6 @@ from async_rl.wire import (
     recv,
     send,
 )
-
-from wire_samples import CASES, LIMITS, SAMPLES, TIMEOUT_MS, _group, _header_edit, assert_same, make_group, make_spans
 
 
 def test_every_kind_has_a_sample():

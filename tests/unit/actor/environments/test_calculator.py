@@ -3,7 +3,13 @@ limits, anything else refused as the policy's error; a turn without a call is sc
 by the task's reward."""
 import pytest
 
-from async_rl.actor.environments.calculator import MAX_EXPRESSION_CHARS, Calculator, CalculatorError, evaluate, format_value
+from async_rl.actor.environments.calculator import (
+    MAX_EXPRESSION_CHARS,
+    Calculator,
+    CalculatorError,
+    evaluate,
+    format_value,
+)
 from async_rl.actor.environments.registry import environment_factory
 from async_rl.tasks.base import Prompt
 

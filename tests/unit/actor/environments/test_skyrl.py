@@ -1,4 +1,4 @@
-"""envs/skyrl_adapter.py on the real skyrl-gym package: its environments answer as they
+"""environments/skyrl.py on the real skyrl-gym package: its environments answer as they
 do in SkyRL (observations, turn rewards, done), env.options reach their env_config,
 close() is called, and what the adapter cannot carry fails one episode, counted."""
 import time
@@ -13,13 +13,13 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput  # n
 from skyrl_gym.envs.gsm8k.multi_turn_env import GSM8kMultiTurnEnv  # noqa: E402
 
 from async_rl.actor.engines.torch_engine import TorchEngine  # noqa: E402
-from async_rl.actor.guard import Guard  # noqa: E402
 from async_rl.actor.environments import Turn  # noqa: E402
-from async_rl.actor.rollout.turns import TurnFormat  # noqa: E402
 from async_rl.actor.environments.registry import environment_factory  # noqa: E402
+from async_rl.actor.guard import Guard  # noqa: E402
 from async_rl.actor.rollout.episodes import Environments, Limits, Sampling, run_episodes  # noqa: E402
-from async_rl.tasks.prompt_format import PromptFormat  # noqa: E402
+from async_rl.actor.rollout.turns import TurnFormat  # noqa: E402
 from async_rl.tasks.base import Prompt  # noqa: E402
+from async_rl.tasks.prompt_format import PromptFormat  # noqa: E402
 
 PROMPT = Prompt(id=0, text="Ann has 3 pens and buys 4 more. How many pens?", answer="7")
 CLOSED = []
@@ -28,7 +28,7 @@ CLOSED = []
 class Echo(BaseTextEnv):
     """Reads env_config.reply; rewards 0.5 a turn; records close()."""
 
-    def __init__(self, env_config=None, extras={}):
+    def __init__(self, env_config=None, extras=None):
         super().__init__()
         self.reply, self.max_turns = env_config.reply, extras["max_turns"]
 

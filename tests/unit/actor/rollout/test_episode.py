@@ -1,4 +1,4 @@
-"""envs/episode.py: a two-turn episode sampled by the real torch engine on a tiny chat
+"""rollout/episode.py: a two-turn episode sampled by the real torch engine on a tiny chat
 model, with an environment's answer between the turns, becomes one sample whose policy
 tokens the learner scores exactly as the engine sampled them, and whose environment
 tokens are context only."""
@@ -7,15 +7,15 @@ import pytest
 import torch
 import transformers
 
-from async_rl.learner.batching import build_batch
 from async_rl.actor.engines import Completion
 from async_rl.actor.engines.torch_engine import TorchEngine
-from async_rl.actor.rollout.episode import Episode
 from async_rl.actor.environments import Turn
+from async_rl.actor.rollout.episode import Episode
 from async_rl.actor.rollout.turns import TurnFormat
-from async_rl.tasks.prompt_format import PromptFormat
-from async_rl.tasks.base import Prompt
+from async_rl.learner.batching import build_batch
 from async_rl.learner.step import forward_logp
+from async_rl.tasks.base import Prompt
+from async_rl.tasks.prompt_format import PromptFormat
 from async_rl.wire import ExperienceGroup, decode, encode
 
 

@@ -13,8 +13,8 @@ from async_rl.actor.environments import Turn
 from async_rl.actor.guard import Guard
 from async_rl.actor.rollout.episodes import Environments, Limits, Sampling, run_episodes
 from async_rl.actor.rollout.turns import TurnFormat
-from async_rl.tasks.prompt_format import PromptFormat
 from async_rl.tasks.base import Prompt
+from async_rl.tasks.prompt_format import PromptFormat
 
 
 class Counting:

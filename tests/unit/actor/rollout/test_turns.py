@@ -1,11 +1,11 @@
-"""envs/turns.py: the tokens an environment's answer adds equal what the chat template
+"""rollout/turns.py: the tokens an environment's answer adds equal what the chat template
 renders for the whole conversation, and earlier tokens are never re-tokenized."""
 import pytest
 from conftest import build_chat_tokenizer
 
 from async_rl.actor.rollout.turns import TurnFormat
-from async_rl.tasks.prompt_format import PromptFormat
 from async_rl.tasks.base import Prompt
+from async_rl.tasks.prompt_format import PromptFormat
 
 OBSERVATION = [{"role": "user", "content": "The tool says 12."}]
 

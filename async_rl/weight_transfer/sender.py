@@ -1,12 +1,18 @@
-"""Learner rank 0's side of the weight sync: the store, and the thread that broadcasts.
+"""Learner rank 0's side of the weight transfer: the store, the membership epochs, and
+the thread that sends.
 
 Rank 0 never waits for actors: `publish` copies the gathered weights into a free bucket
-set and returns (bucket_sets.py); a background thread takes up the newest set and
-sends it to the members of the current epoch, forming the epoch's groups first when
-the membership changed (epochs.py), through the transports this learner serves
+set and returns (buckets.py); a background thread takes up the newest set and sends it
+to the members of the current epoch through the transports this learner serves
 (transports.py): gloo or NCCL, plus CUDA IPC for actors on the learner's own GPU; or,
 with `engine="vllm"` (the run's actors.engine), vLLM's own weight transfer, for which
-the buckets are planned in vLLM's packed wire layout (uint8 chunks, plan.plan_packed).
+the buckets are planned in vLLM's packed wire layout (uint8 chunks, buckets.plan_packed).
+
+Epochs: the coordinator names the members (`WeightSender.set_members`); every change,
+and every failed sync, starts a new epoch, so its groups are formed afresh among those
+who are there. `form_epoch` runs rank 0's half of the handshake (store.py): it gathers
+the arrivals, assigns each member to the transport it announced (`plan_epoch`), lets
+each of those transports prepare, writes "go", and has each form its group.
 
 A sync that fails (a member died or never came) is counted and logged; the thread
 drops the epoch's groups, which releases the members still waiting, and sends the
@@ -20,18 +26,36 @@ import logging
 import socket
 import threading
 import time
-from typing import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from async_rl.weight_transfer.abandon import mark_abandoned, run_abandonable
-from async_rl.weight_transfer.base import SenderSide
-from async_rl.weight_transfer.bucket_sets import BucketSets
-from async_rl.weight_transfer.epochs import Epoch, SyncJob, form_epoch
-from async_rl.weight_transfer.errors import SyncAbandoned, describe
-from async_rl.weight_transfer.plan import Spec, layout_id, plan_buckets, plan_packed, sync_bucket_bytes
-from async_rl.weight_transfer.records import LEARNER_KEY, encode
+from async_rl.weight_transfer.buckets import (
+    BucketSet,
+    BucketSets,
+    Spec,
+    layout_id,
+    plan_buckets,
+    plan_packed,
+    sync_bucket_bytes,
+)
+from async_rl.weight_transfer.errors import EpochRejected, SyncAbandoned, describe
+from async_rl.weight_transfer.protocol import SenderContext, Transport, TransportSender
+from async_rl.weight_transfer.store import (
+    LEARNER_KEY,
+    Arrival,
+    Group,
+    abandon,
+    decode_arrival,
+    encode,
+    gather_arrivals,
+    go,
+    mark_abandoned,
+    run_abandonable,
+)
 from async_rl.weight_transfer.transports import check_transport, learner_info, served, transport_named
 
 log = logging.getLogger("async_rl.sync")
@@ -55,7 +79,7 @@ def store_bound_to(host: str, port: int, timeout_s: float) -> dist.TCPStore:
         sock.close()  # a no-op once detached; closes the socket if binding failed
 
 
-class WeightBroadcaster:
+class WeightSender:
     def __init__(self, specs: list[Spec], *, bucket_mb: float, host: str, backend: str, device: torch.device,
                  timeout_s: float, transport: str = "auto", port: int = 0, engine: str = "torch",
                  double_buffer: bool = True):
@@ -80,11 +104,11 @@ class WeightBroadcaster:
         # wait while a broadcast is under way (its members' arrival included).
         self.buffers = BucketSets(self.plan, bucket_device, count=2 if double_buffer else 1, timeout_s=timeout_s,
                                   wire_dtype={n: d for n, _, d in specs} if engine == "vllm" else None)
-        side = SenderSide(self.store, host, device, timeout_s,
+        side = SenderContext(self.store, host, device, timeout_s,
                           side_stream=torch.cuda.Stream(device) if device.type == "cuda" else None,
                           bucket_sets=self.buffers.sets,
                           layout=layout_id(specs, bucket_bytes) if engine == "vllm" else None)
-        self._senders = {name: transport_named(name).sender(side)
+        self._senders = {name: _transport(name).sender(side)
                          for name in served(engine, self.backend, bucket_device)}
         self.group = None  # the current epoch's group, for analysis/bench_sync.py's reference broadcasts
         self._members: tuple[int, ...] = ()
@@ -157,12 +181,13 @@ class WeightBroadcaster:
                     epoch.close()
                     epoch, self.group = Epoch(), None
                     epoch = form_epoch(self.store, job, self._senders, engine=self.engine, timeout_s=self.timeout_s,
-                                       give_up=lambda: self._give_up(job))
+                                       give_up=lambda job=job: self._give_up(job))
                     self.group = epoch.group
                 try:
                     # In a thread of its own: a member the coordinator dropped (its link cut,
                     # the process stopped) must not hold the others up until the timeout.
-                    run_abandonable(lambda: self._send(epoch, source), lambda: self._give_up(job), "weight-send",
+                    run_abandonable(lambda epoch=epoch, source=source: self._send(epoch, source),
+                                    lambda job=job: self._give_up(job), "weight-send",
                                     self._left_behind)
                 except SyncAbandoned as err:
                     mark_abandoned(self.store, job.epoch, str(err))  # releases the members still waiting
@@ -199,3 +224,106 @@ class WeightBroadcaster:
             return False
         new_members = epoch_formed != self._epoch and self.buffers.sent is not None
         return self.buffers.has_new() or new_members
+
+
+@dataclass(frozen=True)
+class SyncJob:
+    """One broadcast the thread is running: the epoch, the version, the members."""
+    epoch: int
+    version: int
+    members: tuple[int, ...]  # actor ids; actor k has rank members.index(k) + 1 in the epoch
+
+    def rank_of(self, actor_id: int) -> int:
+        return self.members.index(actor_id) + 1
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """Who receives how in one epoch, as rank 0 decided it from the arrivals: per
+    transport, in the order a sync goes out, its members' ranks and arrivals."""
+    members: dict[str, dict[int, Arrival]]
+
+
+def plan_epoch(arrivals: dict[int, Arrival], *, served: tuple[str, ...], engine: str) -> EpochPlan:
+    """Each member to the transport it announced; EpochRejected for a member this learner
+    cannot serve. `engine` is the run's actors.engine, which fixed the learner's bucket
+    layout and so the transports it serves (`served`)."""
+    members: dict[str, dict[int, Arrival]] = {name: {} for name in served}
+    refused: dict[str, list[int]] = {}
+    for rank in sorted(arrivals):
+        transport = arrivals[rank].transport
+        if transport in members:
+            members[transport][rank] = arrivals[rank]
+        else:
+            refused.setdefault(transport, []).append(rank)
+    torch_ranks = sorted(rank for transport, ranks in refused.items() if transport != "vllm" for rank in ranks)
+    if engine == "vllm" and torch_ranks:
+        raise EpochRejected(f"rank(s) {torch_ranks} run the torch engine, but this learner sends vLLM's packed "
+                            "layout (actors.engine=vllm); one run uses one engine for all actors")
+    if "vllm" in refused:
+        raise EpochRejected(f"rank(s) {refused['vllm']} run vLLM, but this learner was built for "
+                            f"actors.engine={engine} (WeightSender(engine=...)); one run uses one engine "
+                            "for all actors")
+    if refused:
+        raise EpochRejected(f"rank(s) {torch_ranks} receive by {', '.join(refused)}, which this learner does "
+                            f"not serve ({', '.join(served)})")
+    return EpochPlan({name: ranks for name, ranks in members.items() if ranks})
+
+
+class Epoch:
+    """The epoch the broadcast thread last formed, and the transports serving it."""
+
+    def __init__(self, number: int = 0, senders: tuple[TransportSender, ...] = ()):
+        self.number, self.senders = number, senders
+
+    @property
+    def group(self) -> Any:
+        """The first transport's communication group (analysis/bench_sync.py times
+        reference broadcasts on it); None where it has none."""
+        return self.senders[0].group if self.senders else None
+
+    def send(self, source: BucketSet) -> None:
+        for sender in self.senders:
+            sender.send(source)
+
+    def close(self) -> None:
+        """Drop every group: closing their connections releases members still waiting."""
+        for sender in self.senders:
+            sender.disconnect()
+
+
+def form_epoch(store: dist.Store, job: SyncJob, senders: dict[str, TransportSender], *, engine: str, timeout_s: float,
+               give_up: Callable[[], str | None]) -> Epoch:
+    """Decide (rank 0 alone) and form the epoch's groups. Any failure before "go" writes
+    "abandon", which releases the members at once."""
+    raw = gather_arrivals(store, job.epoch, len(job.members), timeout_s, give_up)
+    prepared: list[TransportSender] = []
+    try:
+        arrivals = {rank: decode_arrival(rank, value) for rank, value in raw.items()}
+        plan = plan_epoch(arrivals, served=tuple(senders), engine=engine)
+        groups: dict[str, Group] = {}
+        for name, members in plan.members.items():
+            prepared.append(senders[name])
+            groups[name] = senders[name].prepare(job.epoch, members)
+    except BaseException as err:
+        for sender in prepared:
+            sender.disconnect()
+        abandon(store, job.epoch, describe(err))
+        raise
+    epoch = Epoch(job.epoch, tuple(prepared))
+    try:
+        go(store, job.epoch, groups)
+        for sender in prepared:
+            sender.connect()
+    except BaseException:
+        epoch.close()
+        raise
+    return epoch
+
+
+def _transport(name: str) -> Transport:
+    if name == "vllm":  # vLLM's receiver subclasses receiver.py's, which the torch transports' registry serves
+        from async_rl.weight_transfer.vllm.transport import TRANSPORT
+
+        return TRANSPORT
+    return transport_named(name)

@@ -3,7 +3,7 @@
 The actors are not members of the torchrun world, so every epoch gets a group of its
 own: rank 0 is the learner, ranks 1..k the members of the transport's `Group`, in its
 order; it rendezvouses in rank 0's store under `sync/<epoch>/`, after the handshake
-(handshake.py). `CollectiveSender` and `CollectiveReceiver` are the two ends of such a
+(store.py). `CollectiveSender` and `CollectiveReceiver` are the two ends of such a
 group, sending one broadcast per bucket; the gloo and NCCL transports build on them
 (gloo_chain.py, nccl.py).
 """
@@ -15,10 +15,10 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from async_rl.weight_transfer.base import MemberBuckets, ReceiverSide, SenderSide
-from async_rl.weight_transfer.bucket_sets import BucketSet
+from async_rl.weight_transfer.buckets import BucketSet
 from async_rl.weight_transfer.errors import SyncAbandoned
-from async_rl.weight_transfer.records import Arrival, Group, group_prefix
+from async_rl.weight_transfer.protocol import Landing, ReceiverContext, SenderContext
+from async_rl.weight_transfer.store import Arrival, Group, group_prefix
 
 
 def new_group(backend: str, store: dist.Store, epoch: int, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup:
@@ -59,7 +59,7 @@ class CollectiveSender:
 
     backend = ""
 
-    def __init__(self, side: SenderSide):
+    def __init__(self, side: SenderContext):
         self.side = side
         self.group: dist.ProcessGroup | None = None
         self.world = 0  # ranks in the group, rank 0 included
@@ -98,7 +98,7 @@ class CollectiveReceiver:
 
     backend = ""
 
-    def __init__(self, side: ReceiverSide, place: MemberBuckets):
+    def __init__(self, side: ReceiverContext, place: Landing):
         self.side, self.device = side, place.device
         self.staged = place.staging is not None
         self.target = place.staging if place.staging is not None else place.live

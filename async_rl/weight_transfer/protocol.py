@@ -3,34 +3,33 @@
 A transport is one way a sync's buckets travel from learner rank 0 to members: down a
 pipelined chain on gloo (gloo_chain.py), one NCCL broadcast per bucket (nccl.py), a
 device-to-device copy out of the learner's own buckets (cuda_ipc.py), vLLM's
-weight-transfer group (vllm.py). Each of those modules holds both ends and names them
-in a `WeightTransport`; the broadcaster and the receivers pick one by name
-(transports.py) and talk to it only through `SenderEnd` and `ReceiverEnd`:
+weight-transfer group (vllm/transport.py). Each of those modules holds both ends and
+names them in a `Transport`; the sender and the receivers pick one by name
+(transports.py) and talk to it only through these two protocols:
 
-    rank 0: SenderEnd                          a member: ReceiverEnd
-                                               arrival()   how it will receive
-    prepare(epoch, arrivals) -> Group          (handshake.py: rank 0 decides "go")
-    connect()                                  join(epoch, rank, group)
-    send(bucket_set)           every version   receive()
-    disconnect()               on failure      leave()
+    rank 0: TransportSender                     a member: TransportReceiver
+                                                arrival()   how it will receive
+    prepare(epoch, arrivals) -> Group           (store.py's handshake: rank 0 decides "go")
+    connect()                                   join(epoch, rank, group)
+    send(bucket_set)            every version   receive()
+    disconnect()                on failure      leave()
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
-from async_rl.weight_transfer.plan import Bucket
-from async_rl.weight_transfer.records import Arrival, Group
-
-if TYPE_CHECKING:
-    from async_rl.weight_transfer.bucket_sets import BucketSet
+if TYPE_CHECKING:  # annotations only: this module is the package's lowest layer
+    from async_rl.weight_transfer.buckets import Bucket, BucketSet
+    from async_rl.weight_transfer.store import Arrival, Group
 
 
 @dataclass(frozen=True)
-class SenderSide:
+class SenderContext:
     """What rank 0's ends share: its store and device, and the bucket sets they send."""
     store: dist.Store
     host: str  # the store's host, where rank 0 also listens for transports with their own rendezvous
@@ -42,7 +41,7 @@ class SenderSide:
 
 
 @dataclass(frozen=True)
-class ReceiverSide:
+class ReceiverContext:
     """What a member's end needs to reach rank 0."""
     store: dist.Store
     store_host: str
@@ -50,7 +49,7 @@ class ReceiverSide:
 
 
 @dataclass(frozen=True)
-class MemberBuckets:
+class Landing:
     """Where a torch receiver's syncs land: the live buckets its parameters view, and a
     second set to receive into first (None: `sync.stage_on_actors=false`)."""
     plan: list[Bucket]
@@ -59,8 +58,8 @@ class MemberBuckets:
     device: torch.device
 
 
-class SenderEnd(Protocol):
-    """Rank 0's end of one transport; it lives as long as the broadcaster and serves
+class TransportSender(Protocol):
+    """Rank 0's end of one transport; it lives as long as the sender and serves
     one membership epoch at a time."""
 
     group: Any  # the epoch's communication group; None before `connect` and where there is none
@@ -83,7 +82,7 @@ class SenderEnd(Protocol):
         ...
 
 
-class ReceiverEnd(Protocol):
+class TransportReceiver(Protocol):
     """A member's end of one transport, for one connection to rank 0's store."""
 
     group: Any
@@ -102,7 +101,7 @@ class ReceiverEnd(Protocol):
         ...
 
 
-class WeightTransport(NamedTuple):
+class Transport(NamedTuple):
     name: str
-    sender: Callable[[SenderSide], SenderEnd]
-    receiver: Callable[[ReceiverSide, Any], ReceiverEnd]  # (side, where the sync lands)
+    sender: Callable[[SenderContext], TransportSender]
+    receiver: Callable[[ReceiverContext, Any], TransportReceiver]  # (side, where the sync lands)
