@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one pair of runs per seed")
     parser.add_argument("--target", type=float, default=0.9, help="held-out eval accuracy to reach")
-    parser.add_argument("--max-steps", type=int, default=1000, help="train.max_steps: the lr schedule's length and a cap")
+    parser.add_argument("--max-steps", type=int, default=1000,
+                        help="train.max_steps: the lr schedule's length and a cap")
     parser.add_argument("--eval-every", type=int, default=50, help="evaluate every this many steps (and at step 0)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-peer"), help="output directory")
     parser.add_argument("--config", type=Path, default=CONFIG, help="the async-rl config both are set up from")
@@ -266,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         say("interrupted")
         return 130
     if len(args.seeds) > 1:
-        seconds = {s: [p[s]["time_to_target_s"] for p in pairs if p[s] and p[s]["reached"]] for s in ("trl", "async_rl")}
+        seconds = {s: [p[s]["time_to_target_s"] for p in pairs if p[s] and p[s]["reached"]]
+                   for s in ("trl", "async_rl")}
         ratios = [p["ratio_trl_over_async_rl"] for p in pairs if p["ratio_trl_over_async_rl"] is not None]
         emit(args, {"summary": True, "seeds": args.seeds, "target": args.target, "pairs_with_ratio": len(ratios),
                     "ratio_trl_over_async_rl": spread(ratios), "trl_time_to_target_s": spread(seconds["trl"]),

@@ -98,11 +98,13 @@ def qwen2_like_specs(target_bytes: int, dtype: torch.dtype) -> list[tuple[str, t
     specs = [("model.embed_tokens.weight", (vocab, hidden), dtype)]
     for i in range(layers):
         p = f"model.layers.{i}."
-        specs += [(p + "self_attn.q_proj.weight", (hidden, hidden), dtype), (p + "self_attn.q_proj.bias", (hidden,), dtype),
+        specs += [(p + "self_attn.q_proj.weight", (hidden, hidden), dtype),
+                  (p + "self_attn.q_proj.bias", (hidden,), dtype),
                   (p + "self_attn.k_proj.weight", (kv, hidden), dtype), (p + "self_attn.k_proj.bias", (kv,), dtype),
                   (p + "self_attn.v_proj.weight", (kv, hidden), dtype), (p + "self_attn.v_proj.bias", (kv,), dtype),
                   (p + "self_attn.o_proj.weight", (hidden, hidden), dtype),
-                  (p + "mlp.gate_proj.weight", (inter, hidden), dtype), (p + "mlp.up_proj.weight", (inter, hidden), dtype),
+                  (p + "mlp.gate_proj.weight", (inter, hidden), dtype),
+                  (p + "mlp.up_proj.weight", (inter, hidden), dtype),
                   (p + "mlp.down_proj.weight", (hidden, inter), dtype),
                   (p + "input_layernorm.weight", (hidden,), dtype),
                   (p + "post_attention_layernorm.weight", (hidden,), dtype)]
@@ -292,7 +294,8 @@ class Bench:
         finally:
             bc.close(wait_s=5)
         common = {"device": dev.type, "backend": self.backend, "receivers": len(self.conns),
-                  "model_mb": round(nbytes / 2**20, 2), "tensors": len(specs), "dtype": str(dtype).replace("torch.", ""),
+                  "model_mb": round(nbytes / 2**20, 2), "tensors": len(specs),
+                  "dtype": str(dtype).replace("torch.", ""),
                   "bucket_mb": bucket_mb, "buckets": len(bc.plan),
                   "schedule": "chain" if down_a_chain(self.backend, len(bc.plan), world) else "broadcast per bucket",
                   "link_mbit": self.link_mbit}

@@ -250,7 +250,8 @@ def markdown(report: dict) -> str:
     if lr.get("generate"):
         g = lr["generate"]
         rows.append(("generate (torch engine)", lr["status"],
-                     f"{g['precision']}, {g['prompts']} prompts x {g['new_tokens']} tokens: {g['tokens_per_s']:,.0f} tokens/s"))
+                     f"{g['precision']}, {g['prompts']} prompts x {g['new_tokens']} tokens: "
+                     f"{g['tokens_per_s']:,.0f} tokens/s"))
     elif lr:
         rows.append(("learner", lr.get("status", "-"), lr.get("error", "")))
     a = s.get("async_run", {})
@@ -259,7 +260,8 @@ def markdown(report: dict) -> str:
                  f"accuracy {fig(a, 'eval_accuracy_first', '.3f')} -> {fig(a, 'eval_accuracy_last', '.3f')}, "
                  f"{fig(a, 'samples_per_s', '.0f')} samples/s, sync {fig(a, 'sync_s', '.4f')} s, "
                  f"staleness max {a.get('staleness_max', '?')}" + (f"; {a['error']}" if a.get("error") else "")))
-    head = f"GPU check ({'dry run, CPU' if report['dry_run'] else 'GPU'}), {report['date']}, {report['seconds']:.0f} s\n\n"
+    where = "dry run, CPU" if report["dry_run"] else "GPU"
+    head = f"GPU check ({where}), {report['date']}, {report['seconds']:.0f} s\n\n"
     rows = rows[:1] + [r for r in rows[1:] if r[1] != "-"]  # sections that ran
     return head + "\n".join("| " + " | ".join(r) + " |" + ("\n|---|---|---|" if k == 0 else "")
                             for k, r in enumerate(rows)) + "\n"

@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/staleness-sweep"), help="sweep directory")
     parser.add_argument("--config", type=Path, default=ROOT / "configs/demo.yaml", help="base config of every run")
     parser.add_argument("--model", type=Path, default=None,
-                        help="HF model directory to start from (default: build the demo model once into OUT/base_model)")
+                        help="HF model directory to start from "
+                             "(default: build the demo model once into OUT/base_model)")
     parser.add_argument("--target", type=float, default=0.9, help="eval accuracy threshold for 'steps to target'")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra override passed to every run (repeatable), e.g. train.batch_groups=8")

@@ -123,7 +123,8 @@ class Calls:
     """User-code calls in flight, answered as they finish (`answers`)."""
 
     def __init__(self) -> None:
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # lock-free for the workers: an interrupt can land anywhere
+        # Lock-free for the workers: an interrupt may land anywhere in their code.
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._workers: dict[int, _Worker] = {}
         self._ids = 0
 

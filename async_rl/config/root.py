@@ -20,7 +20,7 @@ class Config(Section):
     name: str = Field("demo", description="Run name, used for the default run_dir.")
     run_dir: str | None = Field(None, description="Run directory (default runs/<name>-<timestamp>).")
     seed: int = Field(0, description="Seed for prompts, sampling and initialization.")
-    max_staleness: int = Field(2, ge=0, description="Bound on every sample's staleness, in learner steps; 0 = synchronous.")
+    max_staleness: int = Field(2, ge=0, description="Bound on a sample's staleness, in learner steps; 0 = synchronous.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=ArithmeticConfig, description="Prompt source and scoring.")
     reward: RewardConfig = Field(default_factory=RewardConfig)

@@ -284,7 +284,8 @@ class Coordinator:
             return False
         skipped = len(self.admission.skipped) + 1
         if skipped <= 10 or skipped % 1000 == 0:  # a few lines, then a reminder now and then
-            log.warning("prompt %d skipped: %d tokens, over the limit of %d (task.max_prompt_tokens); %d skipped so far",
+            log.warning("prompt %d skipped: %d tokens, over the limit of %d (task.max_prompt_tokens); "
+                        "%d skipped so far",
                         prompt.id, length, self.prompt_limit, skipped)
         self._too_long_streak += 1
         return True

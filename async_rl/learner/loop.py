@@ -34,6 +34,7 @@ from async_rl.run.status import EXIT_CONFIG, EXIT_NONFINITE, EXIT_REWARD_ERRORS,
 
 log = logging.getLogger("async_rl.learner")
 POLL_S = 0.5  # how long rank 0 waits between the broadcasts that keep the other ranks with it
+EVAL_POLL_S = 0.05  # between looks at the final evaluation: the run's last wait, on the console
 SKIPS_IN_A_ROW = 1000  # prompts skipped as too long, none granted between them: surely a config error
 
 
@@ -215,7 +216,7 @@ class Loop:
                 log.warning("the final evaluation was given up (no result for %.0fs, or interrupted; live actors: "
                             "%d); final/ is written without it", timeout, coordinator.live_actors)
                 return False
-            time.sleep(POLL_S)
+            time.sleep(EVAL_POLL_S)
             return None
 
         with self.spans.span("eval", step=self.trainer.version):

@@ -84,5 +84,5 @@ def build_models(cfg: Config, device: torch.device, mesh) -> Models:
                              activation_checkpointing=lc.activation_checkpointing)
     optimizer, scheduler, critic_optimizer = build_optimizers(cfg.train, policy, critic)
     # LoRA: the KL reference is the policy computing its base (lora.base_only), no second model.
-    return Models(policy, optimizer, reference, critic, critic_optimizer, reference_is_base=bool(cfg.train.kl.coef > 0 and lora),
-                  scheduler=scheduler)
+    return Models(policy, optimizer, reference, critic, critic_optimizer,
+                  reference_is_base=bool(cfg.train.kl.coef > 0 and lora), scheduler=scheduler)

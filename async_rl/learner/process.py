@@ -87,7 +87,12 @@ def _train(cfg: Config, resume: Path | None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = resolve_device(cfg.model.device)  # this rank's GPU, now that it is the current one
     torch.set_num_threads(cfg.learner.threads)
-    dist.init_process_group(backend=collective_backend(device), timeout=datetime.timedelta(seconds=cfg.learner.timeout_s))
+    timeout = datetime.timedelta(seconds=cfg.learner.timeout_s)
+    if "MASTER_ADDR" in os.environ:  # under torchrun
+        dist.init_process_group(backend=collective_backend(device), timeout=timeout)
+    else:  # one rank, started by `async-rl train` itself: a world of one, no rendezvous
+        dist.init_process_group(backend=collective_backend(device), timeout=timeout, store=dist.HashStore(),
+                                rank=0, world_size=1)
     trainer = Trainer(cfg, device)
     resumed = trainer.resume(resume) if resume else None
     services = Rank0Services(cfg, trainer, resumed, resume) if trainer.rank == 0 else Followers()

@@ -168,8 +168,8 @@ def _prepare(cfg: Config, models: Models, local: Batch, layouts: dict[Micro, pac
         # The behavior policy sampled the tokens, so its log-probs give an unbiased estimate.
         kl = torch.where(local.loss_mask.bool(), kl_estimate(local.logp_behav, ref, t.kl.estimator,
                                                                          clamp=t.kl.clamp), 0.0)
-    x = AdvantageInputs(local.rewards, local.loss_mask, local.group, local.baselines, t.advantage, t.kl.coef, kl, values,
-                        _all_reduce_sum, step_rewards=local.step_rewards)
+    x = AdvantageInputs(local.rewards, local.loss_mask, local.group, local.baselines, t.advantage, t.kl.coef, kl,
+                        values, _all_reduce_sum, step_rewards=local.step_rewards)
     est = ADVANTAGES[t.advantage.name](x)
     # OPMD regresses on the rewards the sequence-level estimators saw (KL-penalized).
     return Prepared(replace(local, rewards=x.sequence_rewards()), est.advantages, est.returns, prox, ref, values)

@@ -41,7 +41,7 @@ class Trainer:
         self.specs = [(n, tuple(p.shape), p.dtype) for n, p in self.models.policy.named_parameters()
                       if self.synced is None or self.synced(n)]
         self.version = 0  # learner steps taken: the policy version
-        self.skipped_total = 0.0  # optimizer steps skipped for a non-finite loss or gradient
+        self.skipped_total = 0  # optimizer steps skipped for a non-finite loss or gradient
         self.skipped_streak = 0  # steps in a row with such skips
 
     def resume(self, checkpoint: Path) -> dict:

@@ -19,7 +19,17 @@ def preload_model_libraries() -> None:
         importlib.import_module(f"transformers.{module}")
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, quick: bool = False):
+    """The model directory's tokenizer. `quick`: where the directory has a tokenizer.json,
+    load it as the plain fast tokenizer, without transformers' auto classes, whose import
+    takes seconds (torch's among them): for the launcher's checks, which only render and
+    encode sample prompts."""
+    from pathlib import Path
+
+    if quick and (Path(path) / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

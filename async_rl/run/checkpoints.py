@@ -109,7 +109,8 @@ def check_partition(state: dict, buffered: list[int]) -> None:
     for kind, indices in (("buffered", buffered), ("pending", pending), ("skipped", skipped)):
         for i in indices:
             if type(i) is not int or not 0 <= i < admitted:
-                raise CheckpointError(f"coordinator state: {kind} slot {i!r} is not an admitted slot (0..{admitted - 1})")
+                raise CheckpointError(f"coordinator state: {kind} slot {i!r} is not an admitted slot "
+                                      f"(0..{admitted - 1})")
             if i in owner:
                 raise CheckpointError(f"coordinator state: slot {i} is held twice ({owner[i]} and {kind})")
             owner[i] = kind

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from async_rl.config import Config, ConfigError
 from async_rl.device import resolve_device
+from async_rl.models.loading import load_tokenizer
 from async_rl.tasks import task_from_config
 from async_rl.tasks.prompt_format import prompt_format_for
 
@@ -79,7 +80,7 @@ def check_task(cfg: Config) -> None:
         cfg.task.reward = f"{Path(file).resolve()}:{fn}"
     task = task_of(cfg)
     try:
-        prompt_format = prompt_format_for(cfg.model.path, cfg.task)
+        prompt_format = prompt_format_for(cfg.model.path, cfg.task, load_tokenizer(cfg.model.path, quick=True))
         samples = [task.train_prompt(0), *task.eval_prompts()[:1]]
         for prompt in samples:
             prompt_format.encode(prompt)
@@ -124,7 +125,8 @@ def check_environment(cfg: Config, task, prompt_format) -> None:
     try:
         env = factory(task.train_prompt(0))
     except Exception as err:  # user code: any failure is a config error here
-        raise ConfigError(f"env.name: {name} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
-                          f"making the environment of a sample prompt") from None
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise ConfigError(f"env.name: {name} raised {type(err).__name__}: {first} making the environment of a "
+                          f"sample prompt") from None
     if not callable(getattr(env, "step", None)):
         raise ConfigError(f"env.name: {name} made {type(env).__name__}, which has no step(action) method")

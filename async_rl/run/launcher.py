@@ -1,12 +1,13 @@
 """`async-rl train`: one machine, one process per role.
 
-Takes the run directory's lock (lock.py), spawns the learner world with torchrun
-and the actors, which start up while the learner does and join its hub once the
-coordinator publishes its endpoints, and restarts an actor that dies (at most
-actors.max_restarts times). Ctrl-C, SIGTERM and SIGHUP stop the run the same way: the
-learner ranks finish their step and write a checkpoint and final/, the actors are told
-goodbye, and whatever does not leave within a grace period is killed. Every child dies with the launcher (a parent-death
-signal), so a launcher killed outright leaves nothing running behind it.
+Takes the run directory's lock (lock.py), spawns the learner world (one rank as its
+own child, several under torchrun) and the actors, which start up while the learner
+does and join its hub once the coordinator publishes its endpoints, and restarts an
+actor that dies (at most actors.max_restarts times). Ctrl-C, SIGTERM and SIGHUP stop
+the run the same way: the learner ranks finish their step and write a checkpoint and
+final/, the actors are told goodbye, and whatever does not leave within a grace period
+is killed. Every child dies with the launcher (a parent-death signal), so a launcher
+killed outright leaves nothing running behind it.
 
 Exit status: the learner's (0, or run/status.py's EXIT_* for a run it stopped), 128 + the
 signal's number when interrupted (130 SIGINT, 143 SIGTERM, 129 SIGHUP), 2 for a config
@@ -15,19 +16,21 @@ error, 1 when the learner failed.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
 from pydantic import ValidationError
 
 from async_rl.config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
-from async_rl.device import resolve_device
+from async_rl.device import device_type
 from async_rl.run.checkpoints import latest_intact_checkpoint
 from async_rl.run.checks import check_engine, check_lora, check_task, task_of
 from async_rl.run.directory import RunDir
@@ -99,15 +102,46 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
 
 def ensure_demo_model(cfg: Config, target: Path) -> Path:
     """The demo model for cfg's seed and task, warm-started into `target` unless a
-    complete one is there (its INFO_FILE is written last)."""
+    complete one is there (its INFO_FILE is written last). A build is kept in the user's
+    cache (demo_cache) and copied from there by the next run that asks for the same one."""
     from async_rl.models.demo import INFO_FILE, VLLM_HEAD_DIM, build_demo_model
 
-    if not (target / INFO_FILE).exists():
-        log.info("building the demo model (with supervised warm start) in %s", target)
-        build_demo_model(target, seed=cfg.seed, task=task_of(cfg),
-                         target_accuracy=cfg.model.warm_start_accuracy,
-                         **({"head_dim": VLLM_HEAD_DIM} if cfg.actors.engine.name == "vllm" else {}))
+    if (target / INFO_FILE).exists():
+        return target
+    head_dim = {"head_dim": VLLM_HEAD_DIM} if cfg.actors.engine.name == "vllm" else {}
+    cached = demo_cache(cfg, head_dim)
+    if cached is not None and (cached / INFO_FILE).exists():
+        log.info("copying the demo model (built before, %s) into %s", cached, target)
+        shutil.copytree(cached, target, dirs_exist_ok=True)
+        return target
+    log.info("building the demo model (with supervised warm start) in %s", target)
+    build_demo_model(target, seed=cfg.seed, task=task_of(cfg), target_accuracy=cfg.model.warm_start_accuracy,
+                     **head_dim)
+    if cached is not None:
+        with contextlib.suppress(OSError):  # a cache that cannot be written costs the next run a build, no more
+            staging = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+            shutil.copytree(target, staging, dirs_exist_ok=True)
+            os.replace(staging, cached)
     return target
+
+
+def demo_cache(cfg: Config, head_dim: dict) -> Path | None:
+    """Where a demo model of cfg's seed, task and warm start is kept between runs:
+    $ASYNC_RL_CACHE (default ~/.cache/async-rl)/demo/<key>, the key a hash of what the
+    build depends on (the builder's own source and torch's version included). The warm
+    start also depends on the CPU's kernels, so the cache is the machine's own. None
+    with ASYNC_RL_CACHE set empty (no cache)."""
+    from importlib import metadata
+
+    import async_rl.models.demo as demo
+
+    root = os.environ.get("ASYNC_RL_CACHE", str(Path.home() / ".cache" / "async-rl"))
+    if not root:
+        return None
+    what = json.dumps({"seed": cfg.seed, "task": cfg.task.model_dump(mode="json"), **head_dim,
+                       "warm_start_accuracy": cfg.model.warm_start_accuracy, "torch": metadata.version("torch"),
+                       "builder": hashlib.sha256(Path(demo.__file__).read_bytes()).hexdigest()}, sort_keys=True)
+    return Path(root) / "demo" / hashlib.sha256(what.encode()).hexdigest()[:16]
 
 
 def choose_learner_ranks(cfg: Config) -> str | None:
@@ -119,10 +153,12 @@ def choose_learner_ranks(cfg: Config) -> str | None:
     if cfg.learner.ranks != "auto":
         return None
     try:
-        device = resolve_device(cfg.model.device)
+        kind = device_type(cfg.model.device)
     except RuntimeError as err:
         raise ConfigError(f"model.device: {err}") from None
-    if device.type == "cuda":
+    if kind == "cuda":
+        import torch
+
         cfg.learner.ranks = torch.cuda.device_count()
         why = f"one per visible GPU ({cfg.learner.ranks})"
     else:
@@ -228,15 +264,13 @@ def train(cfg: Config, resume: str | None = None) -> int:
     _say(f"run directory {run_dir}" + (f", resuming from {checkpoint.name}" if checkpoint else ""))
     logs = run_dir / "logs"
     logs.mkdir(exist_ok=True)
-    # torchrun, with its failure report sent to logs/ (learner/world.py).
-    learner_cmd = [sys.executable, "-m", "async_rl.learner.world", str(run_dir), "--standalone",
-                   f"--nproc-per-node={cfg.learner.ranks}", "-m", "async_rl.learner",
-                   str(run_dir / "config.yaml"), *(["--resume", str(checkpoint)] if checkpoint else [])]
-    # torchrun holds the lock too (an inherited descriptor): it is released only once
-    # neither is alive. Its ranks take no lock of their own and leave the console
-    # line of a failure to this process (LAUNCHER_ENV).
-    learner = subprocess.Popen(learner_cmd, env=dict(_child_env(cfg.learner.threads), **{LAUNCHER_ENV: "1"}),
+    # The learner holds the lock too (an inherited descriptor): it is released only once
+    # neither is alive. Its ranks take no lock of their own and leave the console line
+    # of a failure to this process (LAUNCHER_ENV).
+    learner = subprocess.Popen(learner_command(cfg, run_dir, checkpoint),
+                               env=dict(_child_env(cfg.learner.threads), **{LAUNCHER_ENV: "1"}),
                                start_new_session=True, pass_fds=(lock.fd,), preexec_fn=child_of(os.getpid()))
+    direct = cfg.learner.ranks == 1
     actors: list[subprocess.Popen] = []
     restarts = 0
     stop_signal = 0
@@ -268,7 +302,7 @@ def train(cfg: Config, resume: str | None = None) -> int:
             # tells the actors goodbye; they are only killed if they do not leave.
             # torchrun itself is left alone: its ranks exiting 0 end it without a report.
             _say(f"stopping ({signal.Signals(stop_signal).name}): saving a checkpoint")
-            for pid in _learner_workers(learner):
+            for pid in [learner.pid] if direct else _learner_workers(learner):
                 try:
                     os.kill(pid, signal.SIGTERM)
                 except ProcessLookupError:
@@ -298,11 +332,32 @@ def train(cfg: Config, resume: str | None = None) -> int:
         _say(status["reason"])
         return int(status["exit_code"])
     if learner.returncode != 0:
-        reason = status["reason"] if status and status["exit_code"] else f"exit status {learner.returncode}"
+        reason = status["reason"] if status and status["exit_code"] else killed_or_failed(learner)
+        if direct and learner.returncode < 0:  # no torchrun to have recorded why
+            with contextlib.suppress(OSError):
+                write_status(run_dir, 1, reason)
         _say(f"the learner failed: {reason}; details in {logs}; continue from the last checkpoint with: "
              f"async-rl train {run_dir / 'config.yaml'} --resume {run_dir}")
         return 1
     return 0
+
+
+def learner_command(cfg: Config, run_dir: Path, checkpoint: Path | None) -> list[str]:
+    """The learner world's command: one rank runs as this process's child, several under
+    torchrun, with torchrun's failure report sent to logs/ (learner/world.py)."""
+    learner = ["-m", "async_rl.learner", str(run_dir / "config.yaml"),
+               *(["--resume", str(checkpoint)] if checkpoint else [])]
+    if cfg.learner.ranks == 1:  # torchrun's own interpreter and rendezvous would only add seconds
+        return [sys.executable, *learner]
+    return [sys.executable, "-m", "async_rl.learner.world", str(run_dir), "--standalone",
+            f"--nproc-per-node={cfg.learner.ranks}", *learner]
+
+
+def killed_or_failed(learner: subprocess.Popen) -> str:
+    """Why a learner process that recorded no reason ended, as torchrun's report names it."""
+    if learner.returncode < 0:
+        return f"learner rank 0 (pid {learner.pid}) was killed by {signal.Signals(-learner.returncode).name}"
+    return f"exit status {learner.returncode}"
 
 
 def print_summary(run_dir: Path) -> None:

@@ -154,8 +154,9 @@ class MetricsLogger:
             self._bar.write(f"step {step:4d}  eval accuracy {record['eval/accuracy']:.3f}")
         if "loss/total" in record:
             self._bar.update(step - self._bar.n)
+            last_eval = self._last_eval if self._last_eval is not None else float("nan")
             self._bar.set_postfix_str(
-                f"reward {record['train/reward_mean']:.2f} eval {self._last_eval if self._last_eval is not None else float('nan'):.2f} "
+                f"reward {record['train/reward_mean']:.2f} eval {last_eval:.2f} "
                 f"stale {record['staleness/mean']:.2f}/{record['staleness/max']} "
                 f"{record['throughput/samples_per_s']:.0f} samples/s", refresh=False)
 

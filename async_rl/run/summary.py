@@ -25,10 +25,10 @@ def summary_lines(run_dir: Path) -> list[str]:
     histogram = " ".join(f"{k}:{100 * n / total:.0f}%" for k, n in counts.items())
     ess = [s["is/ess"] for s in steps if s.get("is/ess") is not None]
     gen = [s["actors/gen_tokens_per_s"] for s in steps if s.get("actors/gen_tokens_per_s")]
+    trained = _mean([s["throughput/gen_tokens_per_s"] for s in steps])
     rows = [
-        ("steps", f"{last['step']} in {wall:.0f} s ({last['step'] / wall:.2f} steps/s), {last['train/samples']} samples "
-                  f"({last['train/samples'] / wall:.0f}/s), {_mean([s['throughput/gen_tokens_per_s'] for s in steps]):.0f} "
-                  f"response tokens/s trained"
+        ("steps", f"{last['step']} in {wall:.0f} s ({last['step'] / wall:.2f} steps/s), {last['train/samples']} "
+                  f"samples ({last['train/samples'] / wall:.0f}/s), {trained:.0f} response tokens/s trained"
                   + (f"; an actor generates {_mean(gen):.0f} tokens/s while generating" if gen else "")),
         ("learner", f"idle {100 * _mean([s['learner/idle_frac'] for s in steps]):.1f}% waiting for data, "
                     f"sync {_mean([s['sync/seconds'] for s in steps]) * 1e3:.1f} ms/step, "
@@ -41,10 +41,12 @@ def summary_lines(run_dir: Path) -> list[str]:
                    f"{last['data/prompts_consumed']} consumed; {last['wire/rejected']} messages rejected"),
     ]
     if last.get("memory/learner_peak_rss_gb"):
-        rows.append(("memory", f"peak resident {last['memory/learner_peak_rss_gb']:.2f} GiB per learner rank (largest), "
-                               f"{max(s.get('memory/actor_peak_rss_gb', 0) for s in steps):.2f} GiB per actor"))
+        actor = max(s.get("memory/actor_peak_rss_gb", 0) for s in steps)
+        rows.append(("memory", f"peak resident {last['memory/learner_peak_rss_gb']:.2f} GiB per learner rank "
+                               f"(largest), {actor:.2f} GiB per actor"))
     if last.get("data/prompts_skipped"):
-        rows.append(("skipped", f"{last['data/prompts_skipped']} prompts over the prompt limit (task.max_prompt_tokens)"))
+        rows.append(("skipped", f"{last['data/prompts_skipped']} prompts over the prompt limit "
+                                "(task.max_prompt_tokens)"))
     if last.get("reward/errors"):
         by_reason = ", ".join(f"{k.removeprefix('reward/errors_')} {v}" for k, v in last.items()
                               if k.startswith("reward/errors_"))

@@ -19,8 +19,7 @@ from rank 0 (ceil(log2(world)) per byte); otherwise, and for a single bucket, th
 buckets go one broadcast each (groups.py).
 
 Buckets on a GPU (a GPU learner, or GPU actors, with `sync.transport=gloo`) pass
-through host memory on both ends; that path has not yet run on a GPU (its test needs
-CUDA and skips here).
+through host memory on both ends; its test needs CUDA (the GPU check runs it).
 """
 from __future__ import annotations
 

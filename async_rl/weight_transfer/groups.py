@@ -21,7 +21,8 @@ from async_rl.weight_transfer.protocol import Landing, ReceiverContext, SenderCo
 from async_rl.weight_transfer.store import Arrival, Group, group_prefix
 
 
-def new_group(backend: str, store: dist.Store, epoch: int, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup:
+def new_group(backend: str, store: dist.Store, epoch: int, rank: int, world: int,
+              timeout_s: float) -> dist.ProcessGroup:
     """A process group outside the default (torchrun) world, one per membership epoch."""
     prefixed = dist.PrefixStore(group_prefix(epoch), store)
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -13,6 +13,7 @@ from async_rl.run.metrics import EVAL_KEYS, STEP_KEYS
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.smoke
 def test_two_ranks_one_actor_train_a_few_steps(tmp_path, demo_model):
     run = tmp_path / "run"
     proc = train(run, demo_model, "train.max_steps=4", "max_staleness=2", "checkpoint.every=2", "learner.ranks=2")
@@ -66,14 +67,15 @@ def test_cut_responses_are_flagged_to_the_learner_and_a_run_that_cannot_learn_sa
     metrics (train/truncated_frac), and the evaluation counts it too. With one-token
     responses and a reward that never varies, the learner warns once about each, in
     one line with the likely cause, and trains on."""
-    import numpy as np
+    from conftest import read_tensorboard, text_at
 
-    from async_rl.learner.checkpoint import BUFFER_FILE, read_groups
+    from async_rl.tasks.prompt_format import CUT_MARK
 
     run = tmp_path / "cut"
     (tmp_path / "never.py").write_text("def score(prompt, response, answer):\n    return 0.0\n")
     proc = train(run, demo_model, "train.max_steps=3", "learner.ranks=1", "eval.every=0", "eval.size=16",
-                 "actors.max_new_tokens=1", "metrics.warn_after_steps=2", f"task.reward={tmp_path / 'never.py'}:score")
+                 "actors.max_new_tokens=1", "metrics.warn_after_steps=2", "metrics.text_every=1",
+                 f"task.reward={tmp_path / 'never.py'}:score")
     for needle, cause in (("most responses are one token long for 2 steps", "actors.max_new_tokens is 1"),
                           ("every group has the same reward for all its samples for 2 steps",
                            "are cut at actors.max_new_tokens=1")):
@@ -84,14 +86,11 @@ def test_cut_responses_are_flagged_to_the_learner_and_a_run_that_cannot_learn_sa
     # The barely trained demo model seldom stops at once: most samples are cut.
     assert all(0.5 < s["train/truncated_frac"] <= 1.0 for s in steps)
     assert all(e["eval/response_len_mean"] == 1 and e["eval/truncated_frac"] > 0.5 for e in evals)
-    # The groups still buffered at the end, as the learner received them: cut iff the
-    # one token is not EOS (id 2 in the demo tokenizer).
-    groups = [g for _, _, g in read_groups(sorted((run / "checkpoints").iterdir())[-1] / BUFFER_FILE)]
-    assert groups
-    for g in groups:
-        assert (g.response_lengths == 1).all()
-        first = np.array([r.tokens[0] for r in g.responses()])
-        np.testing.assert_array_equal(g.truncated.astype(bool), first != 2)
+    # Samples as the learner received them (every step's table of generations): cut iff
+    # the one token is not the stop token (<eos> in the demo tokenizer).
+    acc = read_tensorboard(run / "tb")
+    rows = [line.split(" | ")[1] for step in (1, 2, 3) for line in text_at(acc, step).splitlines()[2:]]
+    assert rows and all(r.endswith(CUT_MARK) == (r.removesuffix(CUT_MARK) != "<eos>") for r in rows), rows
 
 
 def test_synchronous_baseline_has_zero_staleness(tmp_path, demo_model):

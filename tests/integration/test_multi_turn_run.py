@@ -33,6 +33,7 @@ def make(prompt):
 '''
 
 
+@pytest.mark.smoke
 def test_a_run_trains_on_multi_turn_episodes_of_a_users_environment(tmp_path, chat_model):
     env_file = tmp_path / "my_env.py"
     env_file.write_text(ENV)

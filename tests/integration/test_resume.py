@@ -33,6 +33,7 @@ def _partition_holds(checkpoint: Path) -> None:
     assert sorted(parts) == list(range(state["admitted"])), "an admitted prompt is lost or held twice"
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(300)
 def test_sigkilled_job_resumes_from_its_last_checkpoint(tmp_path, demo_model):
     run = tmp_path / "run"

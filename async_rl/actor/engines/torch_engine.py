@@ -4,7 +4,7 @@ Works with any Hugging Face causal LM (CPU or CUDA). Prompts are left-padded so
 that every row's next token sits in the last column, which lets one decode step
 serve the whole batch with a single [B, 1] forward.
 
-Two savings that matter for real models, where a prompt (chat template, system turn)
+Four savings that matter for real models, where a prompt (chat template, system turn)
 is often longer than its responses and response lengths vary widely:
 - each distinct prompt is prefilled once and its KV cache repeated for its `n`
   samples (`Cache.batch_repeat_interleave`), instead of prefilling `n` copies;

@@ -4,11 +4,13 @@ whose weights live in vLLM, through vLLM's weight-transfer API.
 One code path on a CPU and on a GPU; only the communicator differs, chosen by the
 learner's device (its `LearnerInfo.backend`, which each actor checks against its own):
 
-|                                   | GPU (`nccl`)                                  | CPU (`gloo`)                                  |
-|-----------------------------------|-----------------------------------------------|-----------------------------------------------|
-| vLLM's `WeightTransferConfig`     | `backend="nccl"`, vLLM's own engine           | `backend="async_rl_gloo"`, our plugin engine (gloo_plugin.py) |
-| the epoch's group                 | vLLM's `StatelessProcessGroup` on a port rank 0 reserves, named in `Group.port`, then PyNccl (nccl_group.py) | gloo on rank 0's store under the epoch's prefix (groups.new_group), as every torch transport |
-| timeouts                          | the rendezvous and the host's wait; PyNccl has none | every collective: `sync.timeout_s` |
+- GPU (`nccl`): vLLM's own engine (`WeightTransferConfig(backend="nccl")`); the epoch's
+  group is vLLM's `StatelessProcessGroup` on a port rank 0 reserves, named in
+  `Group.port`, then PyNccl (nccl_group.py); timeouts on the rendezvous and the host's
+  wait (PyNccl has none).
+- CPU (`gloo`): our plugin engine (`backend="async_rl_gloo"`, gloo_plugin.py); the
+  epoch's group is gloo on rank 0's store under the epoch's prefix (groups.new_group),
+  as every torch transport's; every collective times out at `sync.timeout_s`.
 
 The rest is shared:
 1. handshake (store.py), as for every transport: a vLLM actor arrives as
