@@ -170,6 +170,10 @@ def drill_hostile(args) -> dict:
         sent_at = run.last_step()
         for i, frames in enumerate(messages):
             (push if i % 2 else dealer).send_multipart(frames)
+        # A step line is written once per step: wait for one that has counted them all,
+        # rather than reading the last line of a run that may end first.
+        wait_for("the hostile messages in a step line",
+                 lambda: (run.steps() or [{}])[-1].get("wire/rejected", 0) >= len(messages), proc, args.timeout)
         code = finish(proc, args.timeout)
     finally:
         if proc.poll() is None:

@@ -14,7 +14,7 @@ The model (one heapq of (time, seq, callback) events):
   sync.every steps gathers `sync_seconds` and publishes, logs the step, then spends
   `log_seconds` (metrics logging, after the publish) and the evaluation and checkpoint
   pauses the config schedules. Staleness of a group = k - v.
-- Broadcast (weight_sync.py): a publish starts a broadcast unless one is in flight (the
+- Broadcast (weight_transfer/sender.py): a publish starts a broadcast unless one is in flight (the
   newest version then waits for it). An actor joins at its next request and holds the new
   weights `broadcast_seconds` later; the broadcast ends when all have them. gloo serves
   each receiver as it joins; with `broadcast_coupled` (NCCL-like) all wait for the last.

@@ -107,6 +107,15 @@ def alive(pid: int) -> bool:
     return not (status.exists() and "\nState:\tZ" in status.read_text())
 
 
+def survivors(pids, timeout: float = 30.0) -> list[int]:
+    """Those of `pids` still alive after up to `timeout` seconds: processes that were
+    stopped, or whose parent was, take their time to end on a loaded machine."""
+    deadline = time.time() + timeout
+    while (left := [p for p in pids if alive(p)]) and time.time() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 def kill_tree(proc: subprocess.Popen) -> list[int]:
     """SIGKILL a process and everything below it, all at once (a machine failure; also
     the cleanup of a failed test: the launcher's children lead their own sessions, so
@@ -210,7 +219,8 @@ def build_chat_tokenizer(template: str | None = CHAT_TEMPLATE, add_bos: bool = F
     core.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=special,
                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     if add_bos:
-        core.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+        core.post_processor = processors.TemplateProcessing(single="<|im_start|> $A",
+                                                         special_tokens=[("<|im_start|>", 1)])
     tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                   unk_token="<|endoftext|>", pad_token="<|im_end|>")
     if template is not None:
@@ -251,9 +261,14 @@ def chat_model(tmp_path_factory) -> Path:
     return out
 
 
+# How long a test waits for something that should come at once: long enough for a
+# loaded machine, and only spent when it never comes.
+PATIENCE_S = 30.0
+
+
 def dealer(ctx, addr):
     s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.setsockopt(zmq.RCVTIMEO, int(PATIENCE_S * 1000))
     s.setsockopt(zmq.LINGER, 0)
     s.connect(addr)
     return s
@@ -265,7 +280,7 @@ def ask(sock, msg):
     return reply
 
 
-def wait_for(pred, timeout=5.0):
+def wait_for(pred, timeout=PATIENCE_S):
     deadline = time.time() + timeout
     while not pred() and time.time() < deadline:
         time.sleep(0.01)

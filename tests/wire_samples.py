@@ -26,7 +26,7 @@ from async_rl.wire import (
 
 LIMITS = WireLimits()
 TRUNCATED_AND_AFTER = ("truncated", "policy_mask", "step_ends", "step_rewards")
-TIMEOUT_MS = 2000
+TIMEOUT_MS = 30_000  # a send or receive on a local socket: at once, but a loaded machine may take its time
 
 
 def make_group(g: int = 4, t: int = 6, p: int = 5, seed: int = 0) -> ExperienceGroup:
@@ -62,7 +62,8 @@ SAMPLES = [
     make_group(),
     replace(make_group(), greedy_reward=1.0),
     EvalGrant(round=3, version=7, prompt_ids=[2**48, 2**48 + 1]),
-    EvalResult(actor_id=3, round=3, version=7, prompt_ids=[2**48, 2**48 + 1], rewards=np.array([[1.0], [0.0]], np.float32),
+    EvalResult(actor_id=3, round=3, version=7, prompt_ids=[2**48, 2**48 + 1],
+               rewards=np.array([[1.0], [0.0]], np.float32),
                response_lengths=np.array([[3], [8]], np.int32), truncated=np.array([[0], [1]], np.uint8)),
 ]
 

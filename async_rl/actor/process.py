@@ -81,7 +81,7 @@ def _heartbeat_loop(ctx: zmq.Context, hub_addr: str, keys_dir: str | None, state
                 continue  # the hub is busy; the main loop notices a dead hub through its own timeouts
             _ship_spans(client.sock, state["actor_id"], spans)
     finally:
-        client.close()
+        client.close(linger_ms=1000)  # spans just queued go out instead of being lost uncounted
 
 
 def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = None,
@@ -186,8 +186,8 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
                         push.send_multipart(msg, copy=False)
                         state["generated"] += 1
     finally:
-        # The heartbeat thread stops first, so that nothing of ours reaches the hub after
-        # the goodbye (it would count as a message from an unknown actor).
+        # The heartbeat thread stops first, so that no heartbeat reaches the hub after the
+        # goodbye (it would count as a message from an unknown actor; late spans do not).
         stop.set()
         beat.join(timeout=5)
         while len(spans):  # best effort, like the goodbye: the spans since the last heartbeat

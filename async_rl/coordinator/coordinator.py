@@ -209,6 +209,11 @@ class Coordinator:
         if actor is None:
             if isinstance(msg, Goodbye):
                 return None  # an actor we already removed, leaving too: nothing to do
+            if isinstance(msg, TraceSpans) and 0 <= msg.actor_id < self.actors.next_id:
+                # Spans shipped on the heartbeat socket may arrive after the goodbye sent
+                # on the request socket: still that actor's, and only trace data.
+                self.trace.add_actor_spans(msg.actor_id, msg.names, msg.start_us, msg.dur_us, msg.args, msg.dropped)
+                return None
             self.rejects.reject("unknown_actor")
             if isinstance(msg, WorkRequest):  # e.g. stalled past the heartbeat timeout, now back
                 return Goodbye(reason="unknown actor: register with hello first", rejoin=True)

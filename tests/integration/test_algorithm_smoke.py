@@ -22,7 +22,8 @@ CASES = {
                                 "train.kl.estimator=k2"], ["policy/kl_ref"]),
     "remax-kl-loss": (["train.advantage=remax", "train.kl.coef=0.05", "train.kl.estimator=k1"],
                       ["policy/kl_ref", "loss/kl"]),
-    "gae-critic": (["train.advantage=gae", "train.advantage.lam=0.9", "train.advantage.gamma=0.99", "checkpoint.every=1"],
+    "gae-critic": (["train.advantage=gae", "train.advantage.lam=0.9", "train.advantage.gamma=0.99",
+                    "checkpoint.every=1"],
                    ["loss/value", "critic/value_mean", "critic/grad_norm"]),
 }
 

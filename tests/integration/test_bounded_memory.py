@@ -61,23 +61,25 @@ def coordinator_for_model(run_dir: Path, config: dict, model_path: Path, limits:
 
 
 def steady(coord, admitted: int, buffered: int, seconds: float) -> None:
-    """For `seconds`, nothing more is admitted or buffered, and the actor keeps talking to the hub."""
+    """For `seconds`, and until the actor has been heard from again (it keeps talking to
+    the hub, as soon as a loaded machine lets it), nothing more is admitted or buffered."""
     (actor,) = coord.actors.values()
     seen = actor.last_seen
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    patience = deadline + 60
+    while time.monotonic() < deadline or actor.last_seen <= seen:
+        assert time.monotonic() < patience, "the waiting actor must keep heartbeating / polling"
         assert coord.admission.admitted == admitted, "a stalled learner must not let admissions grow"
         assert len(coord.buffer) == buffered, "a stalled learner must not let the buffer grow"
         assert not coord.reissue
         time.sleep(0.05)
     assert coord.actors.get(actor.actor_id) is actor, "the waiting actor must stay registered"
-    assert actor.last_seen > seen, "the waiting actor must keep heartbeating / polling"
 
 
 def test_stalled_learner_blocks_a_real_actor_and_one_step_releases_exactly_one_batch(tmp_path, demo_model):
     config = {"max_staleness": ETA, "train": {"batch_groups": B, "group_size": G},
               "actors": {"groups_per_request": PER_REQUEST, "max_new_tokens": 4, "heartbeat_s": 0.2,
-                         "heartbeat_timeout_s": 10},
+                         "heartbeat_timeout_s": 60},
               "transport": {"timeout_s": 5}, "sync": {"timeout_s": 10}}
     log_path = tmp_path / "actor.log"
     with coordinator_for_model(tmp_path, config, demo_model) as (coord, engine), open(log_path, "w") as log:
@@ -90,7 +92,8 @@ def test_stalled_learner_blocks_a_real_actor_and_one_step_releases_exactly_one_b
             first = (ETA + 1) * B
             assert wait_for(lambda: len(coord.buffer) >= first, timeout=60), \
                 (coord.admission.admitted, len(coord.buffer), log_path.read_text()[-2000:])
-            assert coord.admission.admitted == first and len(coord.buffer) == first and not coord.granted  # all delivered
+            # all delivered
+            assert coord.admission.admitted == first and len(coord.buffer) == first and not coord.granted
             steady(coord, admitted=first, buffered=first, seconds=2.0)
             assert actor.poll() is None
 
@@ -120,9 +123,10 @@ def test_stalled_learner_blocks_a_real_actor_and_one_step_releases_exactly_one_b
             assert newest.indices == list(range(2 * B, 3 * B)) and newest.versions == [1] * B
             assert coord.buffer.dropped == 0 and coord.rejects.total == 0, coord.rejects.by_reason()
 
-            # Stop: the actor's next request is answered with Goodbye and it exits cleanly.
-            coord.stop(drain_s=1.0)
-            assert actor.wait(timeout=15) == 0, log_path.read_text()[-2000:]
+            # Stop: the actor's next request is answered with Goodbye and it exits cleanly
+            # (the hub serves until it has left, however long a loaded machine takes).
+            coord.stop(drain_s=60.0)
+            assert actor.wait(timeout=60) == 0, log_path.read_text()[-2000:]
             assert "leaving: run finished" in log_path.read_text()
         finally:
             if actor.poll() is None:
@@ -168,7 +172,7 @@ def test_replay_buffer_hard_cap_refuses_and_counts(tmp_path):
         push = pusher(ctx, coord.experience_addr)
         for i, pid in zip(grant.groups, grant.prompt_ids):
             push.send_multipart(encode(group_msg(welcome.actor_id, i, pid)))
-        assert wait_for(lambda: coord.rejects.total == 2, timeout=5)
+        assert wait_for(lambda: coord.rejects.total == 2, timeout=30)
         assert coord.rejects.by_reason() == {"buffer_refused": 2} and len(coord.buffer) == 2
         assert sorted(coord.reissue) == [2, 3]  # refused slots are generated again, not lost
         # Consuming makes room again.
@@ -196,7 +200,7 @@ def test_oversized_frames_are_refused_by_the_socket_before_decoding(tmp_path, de
             # A small invalid message from a fresh connection is received and counted...
             probe = pusher(ctx, coord.experience_addr)
             probe.send(b"\x00garbage")
-            assert wait_for(lambda: coord.rejects.total >= 1, timeout=5)
+            assert wait_for(lambda: coord.rejects.total >= 1, timeout=30)
             time.sleep(0.3)  # ...while the oversized frame never arrives at all.
             assert coord.rejects.total == 1 and "too_large" not in coord.rejects.by_reason()
             # The coordinator still serves a well-behaved actor.

@@ -40,17 +40,23 @@ def test_actor_start_up_failures_are_one_line_with_the_likely_cause(curve_hub, t
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         closed = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    # An actor names the cause once its connect timeout has passed: 2 s where nothing
+    # answers (the cause), long enough for a handshake to fail first, with seven actors
+    # starting at once on a loaded machine, where the hub answers with a refusal.
+    handshake = ["--connect-timeout", "10"]
     cases = {
         "bad address": (["--hub", "127.0.0.1:5555"], "--hub: expected tcp://HOST:PORT"),
         "bad port": (["--hub", "tcp://127.0.0.1:99999"], "--hub: port 99999 is outside 1-65535"),
         "no hub": (["--hub", closed], f"no hub answered at {closed} for 2s"),
-        "no keys": (["--hub", coord.hub_addr], "refused the handshake: it probably requires CURVE (pass --keys DIR)"),
-        "unknown key": (["--hub", coord.hub_addr, "--keys", str(strangers)], "refused this actor's CURVE key"),
-        "wrong server key": (["--hub", coord.hub_addr, "--keys", str(other_run)],
+        "no keys": (["--hub", coord.hub_addr, *handshake],
+                    "refused the handshake: it probably requires CURVE (pass --keys DIR)"),
+        "unknown key": (["--hub", coord.hub_addr, "--keys", str(strangers), *handshake],
+                        "refused this actor's CURVE key"),
+        "wrong server key": (["--hub", coord.hub_addr, "--keys", str(other_run), *handshake],
                              "holds another run's server key"),
         "no learner": (["--run-dir", str(tmp_path / "no-run")], "the learner's hub did not come up within 2s"),
     }
-    procs = {name: subprocess.Popen([sys.executable, "-m", "async_rl.cli", "actor", *args, "--connect-timeout", "2"],
+    procs = {name: subprocess.Popen([sys.executable, "-m", "async_rl.cli", "actor", "--connect-timeout", "2", *args],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
              for name, (args, _) in cases.items()}
     for name, proc in procs.items():
@@ -61,7 +67,7 @@ def test_actor_start_up_failures_are_one_line_with_the_likely_cause(curve_hub, t
     assert coord.live_actors == 0
 
 
-def hello(ctx, addr, keys_dir=None, timeout_ms=5000):
+def hello(ctx, addr, keys_dir=None, timeout_ms=30_000):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
     sock.setsockopt(zmq.LINGER, 0)

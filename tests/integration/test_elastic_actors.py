@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, alive, kill_tree, subprocess_env
+from conftest import ROOT, kill_tree, subprocess_env, survivors
 
 from async_rl.run.directory import RunDir
 
@@ -125,5 +125,4 @@ def test_actors_killed_and_started_during_a_run(tmp_path, demo_model):
         assert s["staleness/max"] <= MAX_STALENESS and s["staleness/dropped"] == 0, s
         assert math.isfinite(s["loss/total"]), s
     assert "removed: its connection closed" in launcher_log  # reaped at once, not after the heartbeat timeout
-    time.sleep(0.5)
-    assert not [p for p in pids if alive(p)], "orphan processes left behind"
+    assert not survivors(pids), "orphan processes left behind"

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import alive, kill_tree, read_metrics, subprocess_env, train
+from conftest import kill_tree, read_metrics, subprocess_env, survivors, train
 
 from async_rl.run.directory import RunDir
 from async_rl.run.metrics import EVAL_KEYS, STEP_KEYS
@@ -134,8 +134,7 @@ def test_ctrl_c_stops_every_process_after_a_checkpoint(tmp_path, demo_model):
     assert proc.returncode == 130, err[-2000:]
     assert list((run / "checkpoints").glob("step_*/coordinator.json"))
     assert (run / "final" / "config.json").exists()
-    time.sleep(0.5)
-    assert not [p for p in pids if alive(p)], "orphan processes left behind"
+    assert not survivors(pids), "orphan processes left behind"
 
 
 def test_jsonl_task_with_reward_function_and_rloo(tmp_path, demo_model):

@@ -2,18 +2,33 @@
 timeout stalls no rank."""
 from conftest import read_metrics, train
 
+# Every reward call takes this long: an evaluation of N samples takes at least N times
+# as long on any machine, a fast one too.
+REWARD_S = 0.025
+SLOW_REWARD = f"""import time
+
+
+def score(prompt, response, answer):
+    time.sleep({REWARD_S})
+    return float(response.strip() == answer)
+"""
+
 
 def test_an_evaluation_longer_than_the_learner_timeout_stalls_no_rank(tmp_path, demo_model):
     """The step-0 evaluation keeps the only actor busy for longer than learner.timeout_s
     before it generates anything, while both learner ranks wait: nobody times out (the
     learner waits in short collectives and counts evaluation results as progress)."""
     run = tmp_path / "long_eval"
-    # About 9 s of evaluation on a quiet 2-core machine (more under load), against a 6 s
-    # timeout: a margin for faster machines, while every collective still gets 6 s.
-    train(run, demo_model, "train.max_steps=2", "learner.ranks=2", "learner.timeout_s=6", "eval.every=0",
-          "task.eval_size=1000", "eval.size=1000", "eval.batch_size=50", "eval.pass_k=144", "eval.temperature=1.0",
-          timeout=180)
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text(SLOW_REWARD)
+    # 200 prompts x 2 samples: at least 10 s of evaluation against a 6 s timeout, in
+    # chunks of at least 1 s (each result is progress), however fast the machine.
+    prompts, samples, chunk, timeout_s = 200, 2, 20, 6
+    assert prompts * samples * REWARD_S > timeout_s + 3 and chunk * samples * REWARD_S < timeout_s / 3
+    train(run, demo_model, "train.max_steps=2", "learner.ranks=2", f"learner.timeout_s={timeout_s}", "eval.every=0",
+          f"task.eval_size={prompts}", f"eval.size={prompts}", f"eval.batch_size={chunk}", f"eval.pass_k={samples}",
+          "eval.temperature=1.0", f"task.reward={reward}:score", timeout=180)
     steps, evals = read_metrics(run)
     assert [s["step"] for s in steps] == [1, 2] and [e["step"] for e in evals] == [0, 2]
-    assert all(e["eval/prompts"] == 1000 and "eval/pass@144" in e for e in evals)
-    assert evals[0]["eval/seconds"] > 6
+    assert all(e["eval/prompts"] == prompts and f"eval/pass@{samples}" in e for e in evals)
+    assert evals[0]["eval/seconds"] > timeout_s

@@ -1,6 +1,7 @@
 """analysis/fault_drill.py on a tiny real run: its hostile-traffic fuzzer and its
 kill-the-whole-job-then-resume orchestration (the kill-actor path is the same as
-tests/test_elastic_actors.py). The full-size drill, with its accuracy target, is in docs/faults.md."""
+tests/integration/test_elastic_actors.py). The full-size drill, with its accuracy
+target, is in docs/faults.md."""
 import json
 import subprocess
 import sys
@@ -32,7 +33,8 @@ def test_drill_hostile_scenario_passes(tmp_path, demo_model):
 def test_drill_kill_job_scenario_passes(tmp_path, demo_model):
     job = run_drill(tmp_path, demo_model, "kill-job", "--kill-at", "5", "--checkpoint-every", "3")
     assert job["passed"] and 3 <= job["resumed_from_step"] and job["steps_lost"] <= 3
-    assert job["killed_processes"] >= 4 and job["each_step_once"] and job["prompts_consumed"] == 30 * 8
+    # The launcher, the learner (one rank: the launcher's own child, no torchrun) and the actor.
+    assert job["killed_processes"] >= 3 and job["each_step_once"] and job["prompts_consumed"] == 30 * 8
 
 
 def test_drill_stall_actor_scenario_passes(tmp_path, demo_model):

@@ -4,7 +4,7 @@ import socket
 import subprocess
 import time
 
-from conftest import ROOT, alive, kill_tree, read_metrics, subprocess_env
+from conftest import ROOT, kill_tree, read_metrics, subprocess_env, survivors
 
 from async_rl.run.directory import RunDir
 
@@ -66,9 +66,8 @@ def test_learner_and_actor_scripts_train_a_few_steps(tmp_path, demo_model):
     assert (run / "final" / "config.json").exists()
     assert actors.returncode == 0, actor_out[-3000:]
     assert "(test-0)" in actor_out and "leaving" in actor_out
-    time.sleep(0.5)
     assert len(seen) >= 4  # torchrun, 2 learner ranks, the actor
-    assert not [p for p in seen if alive(p)], "orphan processes left behind"
+    assert not survivors(seen), "orphan processes left behind"
 
 
 def test_learner_script_propagates_a_config_error(tmp_path):

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, alive, kill_tree, subprocess_env
+from conftest import ROOT, kill_tree, subprocess_env, survivors
 
 from async_rl.config import ConfigError
 from async_rl.run.directory import RunDir
@@ -52,35 +52,31 @@ def test_second_writer_is_refused_and_a_killed_launcher_leaves_nothing_running(t
         assert len(tree) >= 4  # launcher, torchrun, a learner rank, two actors
         endpoints = (run / "endpoints.json").read_text()
         for extra in ([], ["--resume", str(run)]):
-            started = time.monotonic()
             second = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"),
                                      f"run_dir={run}", f"model.path={demo_model}", *SMALL, *extra],
                                     capture_output=True, text=True, timeout=60, env=subprocess_env())
             assert second.returncode == 2, second.stderr[-2000:]
+            # Its one line is the refusal: it said nothing of a run directory, so it started nothing.
             lines = [line for line in second.stderr.splitlines() if line.startswith("async-rl")]
             assert lines == [lines[-1]] and f"is in use by pid {first.pid}" in lines[-1]
-            assert time.monotonic() - started < 20
         assert (run / "endpoints.json").read_text() == endpoints  # the first run's files untouched
 
         os.kill(first.pid, signal.SIGKILL)  # the launcher alone: its children lead their own sessions
-        first.wait(timeout=10)
-        deadline = time.time() + 10
-        while any(alive(p) for p in tree[1:]) and time.time() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in tree[1:] if alive(p)], "processes of the run outlived its launcher by 10 s"
+        first.wait(timeout=30)
+        assert not survivors(tree[1:]), "processes of the run outlived their launcher"
     finally:
         if first.poll() is None:
             kill_tree(first)
     # The lock died with its holders: the directory can be taken again. A killed
     # multi-threaded process shows as a zombie before its last thread has closed its
     # files (and so released the lock): allow the kernel a moment.
-    deadline = time.time() + 10
+    deadline = time.time() + 30
     while True:
         try:
             RunLock(run).acquire().release()
             break
         except ConfigError:
-            assert time.time() < deadline, "the run directory's lock outlived its holders by 10 s"
+            assert time.time() < deadline, "the run directory's lock outlived its holders by 30 s"
             time.sleep(0.1)
 
 
@@ -103,7 +99,7 @@ def test_sighup_stops_the_run_like_sigterm(tmp_path, demo_model):
     assert status["reason"].startswith("interrupted at step") and status["reason"].endswith("(SIGHUP)")
     assert status["exit_code"] == 128 + signal.SIGHUP  # what the launcher exits with
     assert (run / "final" / "model.safetensors").exists() and list((run / "checkpoints").glob("step_*"))
-    assert not [p for p in tree[1:] if alive(p)]
+    assert not survivors(tree[1:])
 
 
 @pytest.mark.timeout(120)
@@ -130,7 +126,7 @@ def test_a_killed_learner_rank_is_one_console_line_with_the_resume_command(tmp_p
     assert "Traceback" not in err and "ChildFailedError" not in err and "FAILED" not in err
     assert "SIGKILL" in (run / "logs" / "torchrun.log").read_text()
     assert "SIGKILL" in RunDir(run).status()["reason"]
-    assert not [p for p in tree[1:] if alive(p)]
+    assert not survivors(tree[1:])
 
 
 @pytest.mark.timeout(60)

@@ -46,7 +46,8 @@ def run_on_bed(bed, tmp_path, overrides: list[str], actors: int = 2, learner_nod
     # One learner node rendezvouses on its loopback, as launch/learner.sh's default does.
     master = head if len(learner_nodes) > 1 else "127.0.0.1"
     common = dict(NNODES=str(len(learner_nodes)), NPROC_PER_NODE="1", MASTER_ADDR=master, MASTER_PORT=str(MASTER_PORT),
-                  RDZV_ID=f"{tmp_path.name}-{time.monotonic_ns()}", RUN_DIR=str(run), HUB_HOST=head, KEYS=str(keys), GLOO_SOCKET_IFNAME="eth0")
+                  RDZV_ID=f"{tmp_path.name}-{time.monotonic_ns()}", RUN_DIR=str(run), HUB_HOST=head, KEYS=str(keys),
+                  GLOO_SOCKET_IFNAME="eth0")
     if resume:
         common["RESUME"] = str(run)
         (run / "endpoints.json").unlink(missing_ok=True)  # the failed run's: wait for the new hub's
@@ -127,11 +128,14 @@ def test_the_demo_learns_across_the_nodes(bed, tmp_path):
     assert first < 0.5 and last >= first + 0.25, evals
 
 
-SYNC_TIMEOUT_S = 30.0  # longer than any pause the test allows: a broadcast that waited it out would fail it
+# Twice any pause the test allows: a broadcast that waited it out would fail it.
+SYNC_TIMEOUT_S = 60.0
 
 
+# A cut of d seconds silences an actor for up to about 2d (TCP's retransmissions back off
+# while the link is down) plus a heartbeat: "shorter" leaves that room before its timeout.
 @pytest.mark.parametrize("down_s,heartbeat_s,slow_mbit,direction", [
-    (2.0, 5.0, None, None), (8.0, 4.0, None, None),
+    (2.0, 10.0, None, None), (8.0, 4.0, None, None),
     pytest.param(6.0, 5.0, 1.0, "both", marks=pytest.mark.extended),
     pytest.param(6.0, 5.0, 1.0, "in", marks=pytest.mark.extended),
     pytest.param(6.0, 5.0, 0.1, "out", marks=pytest.mark.extended)],
@@ -166,7 +170,8 @@ def test_the_actor_nodes_link_down_shorter_or_longer_than_the_heartbeat(bed, tmp
     batch_groups, steps_n = 8, 300
     result = run_on_bed(bed, tmp_path, [f"model.path={demo_model}", f"train.max_steps={steps_n}", "eval.every=0",
                                         f"train.batch_groups={batch_groups}", "actors.groups_per_request=4",
-                                        f"actors.heartbeat_timeout_s={heartbeat_s}", f"sync.timeout_s={SYNC_TIMEOUT_S}"],
+                                        f"actors.heartbeat_timeout_s={heartbeat_s}",
+                                        f"sync.timeout_s={SYNC_TIMEOUT_S}"],
                         learner_nodes=("learner0",), during=cut_link)
     run, out = result["run"], result["outs"][0]
     steps, _ = read_metrics(run)
@@ -179,7 +184,9 @@ def test_the_actor_nodes_link_down_shorter_or_longer_than_the_heartbeat(bed, tmp
     pause = max(b - a for a, b in zip(times, times[1:]))
     print(f"link {'slowed ' + direction if slow_mbit else 'down'} {down_s} s: longest pause {pause:.1f} s, "
           f"{cut['steps_during']} steps meanwhile")
-    assert pause < down_s + 6
+    # Whatever a loaded machine adds to the cut's own length, far below what waiting out
+    # sync.timeout_s takes.
+    assert pause < SYNC_TIMEOUT_S / 2
     if reaped:
         assert result["actor_out"].count("registered again") == 2, result["actor_out"][-3000:]
     assert steps[-1]["actors/live"] == 2
@@ -244,8 +251,12 @@ def test_a_cut_actor_node_does_not_hold_up_the_broadcast_to_the_others(bed, tmp_
     out = result["outs"][0]
     assert "removed: no heartbeat" in out, out[-3000:]
     assert "registered again" in result["actor_out"], result["actor_out"][-3000:]  # once its link was back
+    # Shorter than the cut: training went on while the node was still cut off. Waiting for
+    # its link to come back, or for sync.timeout_s (longer still), takes the cut's length
+    # at least; the drop after heartbeat_s and the other actor's next sync, however slow
+    # the machine, do not.
     times = [s["time"] for s in steps]
-    assert max(b - a for a, b in zip(times, times[1:])) < heartbeat_s + 4, out[-3000:]
+    assert max(b - a for a, b in zip(times, times[1:])) < down_s, out[-3000:]
 
 
 def test_a_rate_limit_holds_one_direction_only(bed):
@@ -258,15 +269,15 @@ def test_a_rate_limit_holds_one_direction_only(bed):
         bed.set_rate("actors", 8.0, "out")
         try:
             for node in ("actors", "learner1"):  # 1 MB each, to learner0: limited from actors only
-                start = time.monotonic()
-                subprocess.run(bed.exec(node, [sys.executable, "-c", _SEND_MB, bed.address("learner0"), port]),
-                               check=True, timeout=30)
-                seconds[node] = time.monotonic() - start
+                sent = subprocess.run(bed.exec(node, [sys.executable, "-c", _SEND_MB, bed.address("learner0"), port]),
+                                      check=True, timeout=30, capture_output=True, text=True)
+                seconds[node] = float(sent.stdout)  # the transfer alone, without the interpreter's start
         finally:
             bed.set_rate("actors", None, "out")
     finally:
         server.kill()
-    assert seconds["actors"] > 0.8 and seconds["learner1"] < 0.5, seconds  # 1 MB at 8 Mbit/s: 1 s (less its burst)
+    # 1 MB at 8 Mbit/s: 1 s (less its burst), whatever the load; unlimited, a small part of it.
+    assert seconds["actors"] > 0.8 and seconds["learner1"] < seconds["actors"] / 4, seconds
 
 
 _SINK = """import socket, sys
@@ -275,6 +286,8 @@ while True:
     c = s.accept()[0]
     while c.recv(1 << 16): pass
     c.sendall(b"k"); c.close()"""
-_SEND_MB = """import socket, sys
+_SEND_MB = """import socket, sys, time
+start = time.monotonic()
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20)
-c.sendall(b"x" * 1_000_000); c.shutdown(socket.SHUT_WR); c.recv(1)"""
+c.sendall(b"x" * 1_000_000); c.shutdown(socket.SHUT_WR); c.recv(1)
+print(time.monotonic() - start)"""

@@ -19,7 +19,8 @@ def test_repeated_non_finite_steps_stop_the_run_with_weights_intact(tmp_path, de
            "eval.size=32", "train.max_steps=50", "train.max_skipped_steps=3", "train.loss=opmd",
            "task.name=jsonl", f"task.train_path={data}", "task.reward=fault_rewards:overflowing"]
     env = subprocess_env()
-    env["PYTHONPATH"] += f"{os.pathsep}{ROOT / 'tests' / 'integration'}"  # the actors import the reward from tests/integration/
+    # the actors import the reward from tests/integration/
+    env["PYTHONPATH"] += f"{os.pathsep}{ROOT / 'tests' / 'integration'}"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "async-rl: stopped: 3 consecutive steps with a non-finite loss or gradient" in proc.stderr

@@ -11,33 +11,53 @@ from async_rl.run.metrics import GENERATIONS_TAG, HISTOGRAM_TAGS, STEP_KEYS
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, demo_model):
+def observed(tmp_path_factory, demo_model):
+    """The run directory and the run's log (stderr)."""
     path = tmp_path_factory.mktemp("observed") / "run"
-    train(path, demo_model, "train.max_steps=3", "learner.ranks=1", "metrics.text_every=2")
-    return path
+    proc = train(path, demo_model, "train.max_steps=3", "learner.ranks=1", "metrics.text_every=2")
+    return path, proc.stderr
 
 
-def test_a_run_writes_a_timeline_of_learner_and_actor(run):
+@pytest.fixture(scope="module")
+def run(observed):
+    return observed[0]
+
+
+def test_a_run_writes_a_timeline_of_learner_and_actor(observed):
+    run, log = observed
     doc = json.loads((run / "trace.json").read_text())
-    assert doc["displayTimeUnit"] == "ms" and doc["otherData"]["dropped_spans"] == {"learner": 0, "actor-0": 0}
+    dropped = doc["otherData"]["dropped_spans"]
+    assert doc["displayTimeUnit"] == "ms" and dropped.pop("learner") == 0
     spans = read_trace(run / "trace.json")
-    assert {s.track for s in spans} == {"learner", "actor-0"}
     learner = [s for s in spans if s.track == "learner"]
     actor = [s for s in spans if s.track == "actor-0"]
     names = {s.name for s in learner}
     assert {"wait-for-data", "train-step", "sync", "eval", "checkpoint", "export"} == names
     assert [s.args["step"] for s in learner if s.name == "train-step"] == [1, 2, 3]
+    # One wall clock: the tracks line up.
+    start, end = min(s.start_s for s in learner), max(s.start_s + s.dur_s for s in learner)
+    assert all(start - 60 < s.start_s < end + 60 and s.dur_s >= 0 for s in actor)
+    assert {s.name for s in actor} <= {"generate", "score", "push", "sync", "wait-for-admission", "eval"}
+    # An actor's spans reach the learner with its heartbeats (one a second: this whole run
+    # may take less) and, all it still holds, on its request socket just before its
+    # goodbye. The end of a run waits for goodbyes a bounded time only: on a loaded machine
+    # the goodbye can come too late, and the learner logs that the actor's last spans are
+    # lost. Its track then holds what its heartbeats shipped, if anything, none of it dropped.
+    if "actor 0 (actor-0) removed: said goodbye" not in log:
+        assert set(dropped) <= {"actor-0"} and not any(dropped.values()), dropped
+        assert {s.track for s in spans} <= {"learner", "actor-0"}
+        return
+    # The goodbye came: every span of the actor's is here.
+    assert dropped == {"actor-0": 0}
+    assert {s.track for s in spans} == {"learner", "actor-0"}
     # The actor also evaluates (the learner's "eval" span is its wait for the final round).
-    assert {"generate", "score", "push", "sync", "eval"} <= {s.name for s in actor} <= {
-        "generate", "score", "push", "sync", "wait-for-admission", "eval"}
+    assert {"generate", "score", "push", "sync", "eval"} <= {s.name for s in actor}
     generated = [s for s in actor if s.name == "generate"]
     assert all(s.args["groups"] == 4 and s.args["tokens"] > 0 for s in generated)
     # Every group the learner trained on was generated (and pushed) by the actor.
     assert sum(s.args["groups"] for s in generated) >= 3 * 8
     assert sum(s.args["groups"] for s in actor if s.name == "push") >= 3 * 8
-    # One wall clock: the tracks line up, and the actor generated while the learner waited.
-    start, end = min(s.start_s for s in learner), max(s.start_s + s.dur_s for s in learner)
-    assert all(start - 60 < s.start_s < end + 60 and s.dur_s >= 0 for s in actor)
+    # The actor generated while the learner waited.
     first_step = min(s.start_s for s in learner if s.name == "train-step")
     assert min(s.start_s for s in generated) < first_step
     assert load_run(run).spans("actor") == actor  # what the analysis scripts get

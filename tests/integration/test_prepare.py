@@ -73,7 +73,8 @@ def test_a_reward_file_path_is_made_absolute(tmp_path, demo_model, data, monkeyp
 
 def test_conversations_need_a_chat_template(tmp_path, chat_model, capsys):
     rows = write_jsonl(tmp_path / "chat.jsonl",
-                       [{"messages": [{"role": "user", "content": f"{a} + 1?"}], "answer": str(a + 1)} for a in range(20)])
+                       [{"messages": [{"role": "user", "content": f"{a} + 1?"}], "answer": str(a + 1)}
+                        for a in range(20)])
     args = ["task.name=jsonl", f"task.train_path={rows}", "task.reward=last_number"]
     assert prepare(tmp_path, chat_model, *args, "task.chat_template=false") == 2
     assert "is a conversation (`messages`), but no chat template is used" in one_line_error(capsys)
@@ -125,7 +126,7 @@ def test_learner_ranks_auto_is_one_on_cpu_one_per_gpu_and_must_divide_the_batch(
     explicit = load_config(ROOT / "configs/demo.yaml", ["learner.ranks=2"])
     assert launcher.choose_learner_ranks(explicit) is None and explicit.learner.ranks == 2
 
-    monkeypatch.setattr(launcher, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(launcher, "device_type", lambda name: "cuda")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     gpus = load_config(ROOT / "configs/demo.yaml")
     assert "one per visible GPU (4)" in launcher.choose_learner_ranks(gpus) and gpus.learner.ranks == 4

@@ -5,7 +5,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -49,7 +48,6 @@ def test_resume_refuses_in_one_line_when_every_checkpoint_is_damaged(tmp_path, d
     (run / "checkpoints" / "step_000004" / ".metadata").unlink()
     flip_one_bit(run / "checkpoints" / "step_000002" / STATE_FILE)
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    start = time.monotonic()
     proc = subprocess.run(_command(run, demo_model, "train.max_steps=6", "--resume", str(run)),
                           capture_output=True, text=True, timeout=50, env=subprocess_env())
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -57,7 +55,6 @@ def test_resume_refuses_in_one_line_when_every_checkpoint_is_damaged(tmp_path, d
     assert len(lines) == 1 and lines[-1].startswith("async-rl: config error: --resume: no intact checkpoint in "), \
         proc.stderr
     assert "(step_000004: missing file .metadata; step_000002: coordinator.json: checksum mismatch)" in lines[-1]
-    assert time.monotonic() - start < 20
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 

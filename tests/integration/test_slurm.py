@@ -64,7 +64,8 @@ JobCompType=jobcomp/none
 def _skip_unless_slurm() -> None:
     missing = [p for p in PROGRAMS if shutil.which(p) is None]
     if missing:
-        pytest.skip(f"Slurm is not installed (missing {', '.join(missing)}; Debian: slurmctld slurmd slurm-client munge)")
+        pytest.skip(f"Slurm is not installed (missing {', '.join(missing)}; "
+                    "Debian: slurmctld slurmd slurm-client munge)")
     if os.geteuid() != 0:
         pytest.skip("the Slurm daemons of this test run as root")
 

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -90,10 +89,8 @@ def test_tiny_sweep_resumes_then_report_only(out, demo_model):
     (out / "sweep.md").unlink()
     png.unlink(missing_ok=True)
     mtimes = {n: (out / n / "metrics.jsonl").stat().st_mtime_ns for n in names}
-    start = time.monotonic()
     again = sweep("--report-only", "--target", "0.0", "--out", str(out), timeout=30)
     assert again.returncode == 0, again.stderr
-    assert time.monotonic() - start < 15
     assert again.stdout == table and (out / "sweep.md").read_text() == table
     assert png.exists() == HAVE_MATPLOTLIB
     assert mtimes == {n: (out / n / "metrics.jsonl").stat().st_mtime_ns for n in names}

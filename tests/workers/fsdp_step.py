@@ -1,5 +1,11 @@
-"""torchrun worker: one learner train_step on a fixed synthetic batch; writes the updated
-full parameters. Run with 1 and with 2 ranks; FSDP2 must give the same result."""
+"""torchrun worker: one learner train_step on a fixed synthetic batch, in float64; writes
+the step's update of every full parameter and its diagnostics. Run with 1 and with 2
+ranks; FSDP2 must give the same result.
+
+float64, because the two runs sum in different orders (a reduce-scatter of two halves,
+other padded shapes): in float32 their results differ in the last bits, by amounts that
+depend on the CPU's kernels; in float64 by ~1e-16 of their size, far below any error of
+the sharding math."""
 import sys
 
 import numpy as np
@@ -66,33 +72,41 @@ def init_world(model_dir: str):
     return rank, world, init_device_mesh("cpu", (world,))
 
 
+def full_state(models: Models) -> dict[str, torch.Tensor]:
+    """Copies of the full policy (and critic) parameters; a collective on every rank."""
+    state = {name: t.clone() for name, t in full_parameters(models.policy)}
+    if models.critic is not None:
+        state.update({f"critic.{name}": t.clone() for name, t in full_parameters(models.critic)})
+    return state
+
+
 def main(out_path: str, variant: str, model_dir: str) -> None:
     rank, world, mesh = init_world(model_dir)
     train = {"batch_groups": 4, "group_size": 4, "grad_clip": 1e9, **VARIANTS[variant]}
     cfg = build_config({"train": train, "learner": {"ranks": 2, "micro_batch_size": 4}})
-    policy = shard_model(LlamaForCausalLM.from_pretrained(model_dir), mesh)
+    policy = shard_model(LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float64), mesh)
     models = Models(policy, torch.optim.SGD(policy.parameters(), lr=1.0))
     if cfg.train.kl.coef > 0:
-        models.reference = shard_model(LlamaForCausalLM.from_pretrained(model_dir).requires_grad_(False), mesh)
+        reference = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float64).requires_grad_(False)
+        models.reference = shard_model(reference, mesh)
         with torch.no_grad():  # a reference that differs from the policy, so the KL is not 0
             for p in models.policy.parameters():
                 p.add_(0.05 * torch.ones_like(p))
     if cfg.train.advantage.name == "gae":
-        models.critic = shard_model(ValueModel(model_dir), mesh)
+        models.critic = shard_model(ValueModel(model_dir, dtype=torch.float64), mesh)
         models.critic_optimizer = torch.optim.SGD(models.critic.parameters(), lr=1.0)
+    before = full_state(models)
     groups = synthetic_groups(4, 4, seed=1) if rank == 0 else None
     if groups is not None and variant == "ppo-flat":
         for g in groups[2:]:  # with 2 ranks, rank 1's share
             g.rewards[:] = g.rewards[0]
     local = scatter_batch(groups, 0, rank, world, cfg.train.minibatches, torch.device("cpu"))
     stats = train_step(cfg, models, local)
-    params = {name: t.clone().contiguous() for name, t in full_parameters(models.policy)}
-    if models.critic is not None:
-        params.update({f"critic.{n}": t.clone().contiguous() for n, t in full_parameters(models.critic)})
+    out = {name: (after - before[name]).contiguous() for name, after in full_state(models).items()}
     if rank == 0:
-        params["__loss__"] = torch.tensor([stats["loss/total"]])
-        params["__stats__"] = torch.tensor([stats[k] for k in sorted(stats)], dtype=torch.float64)
-        save_file(params, out_path)
+        out["__loss__"] = torch.tensor([stats["loss/total"]], dtype=torch.float64)
+        out["__stats__"] = torch.tensor([stats[k] for k in sorted(stats)], dtype=torch.float64)
+        save_file(out, out_path)
     shutdown_world()
 
 

@@ -18,7 +18,7 @@ The rest is shared:
    of the packed layout it expects; rank 0 refuses a layout other than its own (a
    collective would turn it into a hang or garbage) and an epoch mixing engines;
 2. `prepare` / `connect` on rank 0, `join` on each member: the member's
-   `init_weight_transfer_engine` (vllm_api.init_info maps our ranks onto vLLM's);
+   `init_weight_transfer_engine` (api.init_info maps our ranks onto vLLM's);
 3. per version: rank 0 broadcasts the bucket set, already in vLLM's packed layout
    (buckets.plan_packed: uint8 chunks of `sync.bucket_mb`), chunk by chunk; the member
    calls `start_weight_update`, `update_weights` (vLLM receives the chunks and loads
@@ -51,7 +51,7 @@ from async_rl.weight_transfer.vllm.api import (
     wire_params,
 )
 
-GLOO_BACKEND = "async_rl_gloo"  # vllm_gloo.BACKEND (that module imports vLLM, this one must not)
+GLOO_BACKEND = "async_rl_gloo"  # gloo_plugin.BACKEND (that module imports vLLM, this one must not)
 
 
 def wire_dtype(vllm_dtype: str) -> torch.dtype:

@@ -17,6 +17,12 @@ from async_rl.learner.step_data import step_errors
 from async_rl.wire import ExperienceGroup, WireError, decode, encode
 from async_rl.wire.messages import FAILURE_REASONS
 
+# How long a hanging call takes to return: far longer than any guard timeout below, so a
+# test that finishes sooner has not waited for a hang, however slow the machine.
+HANG_S = 10.0
+# A guard that never times out a call that returns at once, however slow the machine.
+PATIENT_S = 60.0
+
 
 def returning(value):
     return lambda prompt, response, answer: value
@@ -27,7 +33,7 @@ def raising(prompt, response, answer):
 
 
 def sleeping(prompt, response, answer):
-    time.sleep(3)
+    time.sleep(HANG_S)
     return 1.0
 
 
@@ -70,11 +76,11 @@ def score(guard, fn, *responses):
     (returning(object()), "not_a_number"),
 ])
 def test_each_failure_scores_the_fallback_and_is_counted(fn, reason, caplog):
-    guard = Guard("my_reward", timeout_s=0.2, fallback=-0.5)
+    guard = Guard("my_reward", timeout_s=0.2 if reason == "timeout" else PATIENT_S, fallback=-0.5)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="async_rl.reward"):
         assert score(guard, fn, "2", "3") == [-0.5, -0.5]
-    assert time.monotonic() - started < 2.0  # two timeouts of 0.2 s, not two hangs
+    assert time.monotonic() - started < HANG_S  # two timeouts of 0.2 s, not a hang
     assert guard.totals == counts(**{reason: 2})
     lines = [r for r in caplog.records if r.name == "async_rl.reward"]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING and f"'{reason}'" in lines[0].getMessage()
@@ -113,18 +119,24 @@ def test_one_log_line_per_reason_over_many_failures(caplog):
 
 def test_a_hung_call_fails_alone_and_the_calls_behind_it_still_run():
     """Calls submitted together run in one thread; one past its deadline moves the rest to another."""
-    guard = Guard("r", timeout_s=0.3)
+    # The slow call alone has a short timeout: the others return at once, and must not be
+    # timed out by a slow machine either.
+    guard, patient = Guard("r", timeout_s=0.3), Guard("r", timeout_s=PATIENT_S)
     slow = {1}
 
     def reward(prompt, response, answer):
         if int(response) in slow:
-            time.sleep(2.0)
+            time.sleep(HANG_S)
         return float(response)
 
     started = time.monotonic()
-    assert score(guard, reward, "0", "1", "2", "3") == [0.0, 0.0, 2.0, 3.0]
-    assert time.monotonic() - started < 1.5
-    assert guard.totals == counts(timeout=1)
+    calls = Calls()
+    calls.submit([Call(i, guard if i in slow else patient, reward, ("1+1=", str(i), "2"), as_reward)
+                  for i in range(4)])
+    outcomes = calls.wait_all()
+    assert [guard.failed(outcomes[i]) if i in slow else outcomes[i] for i in range(4)] == [0.0, 0.0, 2.0, 3.0]
+    assert time.monotonic() - started < HANG_S  # the calls behind it did not wait for it
+    assert guard.totals == counts(timeout=1) and patient.totals == counts()
 
 
 def test_a_runaway_loop_is_stopped_not_left_spinning():
@@ -137,19 +149,26 @@ def test_a_runaway_loop_is_stopped_not_left_spinning():
 
     assert score(guard, spinning_here, "x") == [0.0]
     [thread] = spun
-    thread.join(timeout=5)
+    thread.join(timeout=PATIENT_S)
     assert not thread.is_alive()  # interrupted, not spinning on beside the actor
 
 
 def test_no_signal_is_used_and_a_timer_set_by_someone_else_runs_on():
     fired = []
     before = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+    timer_s = 1.0
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        set_at = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, timer_s)
         guard = Guard("r", timeout_s=0.1)
         assert score(guard, sleeping, "x") == [0.0] and guard.totals == counts(timeout=1)
-        assert 0.2 < signal.getitimer(signal.ITIMER_REAL)[0] <= 0.5
-        time.sleep(0.6)
+        left, elapsed = signal.getitimer(signal.ITIMER_REAL)[0], time.monotonic() - set_at
+        # Still running down from where it was set (0 once it has fired, on a slow machine);
+        # 10 ms for the two clocks' readings.
+        assert timer_s - elapsed - 0.01 <= left <= timer_s
+        deadline = time.monotonic() + timer_s + PATIENT_S
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert fired == [1]
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -165,7 +184,7 @@ def test_off_the_main_thread_the_timeout_holds_too():
 
     thread = threading.Thread(target=work)
     thread.start()
-    thread.join(10)
+    thread.join(PATIENT_S)
     assert out["scores"] == ([0.0], counts(timeout=1))
 
 
@@ -220,12 +239,14 @@ def test_a_factory_that_raises_or_makes_no_environment_fails_the_episode(caplog)
 
 
 def test_answers_come_as_calls_finish():
-    guard = Guard("r", timeout_s=5.0)
+    guard = Guard("r", timeout_s=PATIENT_S)
     calls = Calls()
-    calls.submit([Call("slow", guard, time.sleep, (0.5,))])
+    release = threading.Event()  # the slow call finishes once the fast one was answered
+    calls.submit([Call("slow", guard, release.wait, (PATIENT_S,))])
     calls.submit([Call("fast", guard, lambda: 7)])
     assert calls.answers() == [("fast", 7)] and len(calls) == 1
-    assert calls.answers() == [("slow", None)] and len(calls) == 0
+    release.set()
+    assert calls.answers() == [("slow", True)] and len(calls) == 0
     assert calls.answers() == []
 
 

@@ -83,7 +83,8 @@ def test_token_rewards_hand():
     got = token_rewards(t([2.0, -1.0, 7.0]), mask, kl=kl, kl_coef=0.1)
     close(got, [[0, -0.05, -0.1, 2.02, 0], [-0.03, -1.04, 0, 0, 0], [0] * 5])
     close(token_rewards(t([2.0, -1.0, 7.0]), mask), [[0, 0, 0, 2, 0], [0, -1, 0, 0, 0], [0] * 5])
-    close(token_rewards(torch.tensor([2, -1, 7]), mask, kl=kl, kl_coef=0.0), [[0, 0, 0, 2, 0], [0, -1, 0, 0, 0], [0] * 5])
+    close(token_rewards(torch.tensor([2, -1, 7]), mask, kl=kl, kl_coef=0.0),
+          [[0, 0, 0, 2, 0], [0, -1, 0, 0, 0], [0] * 5])
 
 
 @pytest.mark.parametrize("prompt", [False, True])

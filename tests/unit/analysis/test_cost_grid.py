@@ -22,7 +22,8 @@ def write_run(run_dir, response_len: float, steps: int = 12):
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
     lines = [{"step": k, "time": 30.0 + k * STEP_S, "loss/total": 0.0, "throughput/samples_per_s": B * G / STEP_S,
               "learner/idle_frac": 0.0, "sync/seconds": 0.0, "sync/broadcast_seconds": 0.0,
-              "actors/gen_seconds_per_group": GEN_S, "staleness/count_1": B * G, "train/response_len_mean": response_len,
+              "actors/gen_seconds_per_group": GEN_S, "staleness/count_1": B * G,
+              "train/response_len_mean": response_len,
               "memory/learner_peak_rss_gb": 5.0, "memory/actor_peak_rss_gb": 1.5}
              for k in range(1, steps + 1)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -154,7 +154,8 @@ def test_in_flight_syncs_inside_generate_are_not_counted_twice():
 
     spans = [Span(name="generate", start_s=0.0, dur_s=1.0), Span(name="sync", start_s=0.4, dur_s=0.1),  # in flight
              Span(name="sync", start_s=1.2, dur_s=0.3),  # between batches
-             Span(name="generate", start_s=2.0, dur_s=1.0), Span(name="sync", start_s=2.9, dur_s=0.3)]  # overlaps the end
+             Span(name="generate", start_s=2.0, dur_s=1.0),
+             Span(name="sync", start_s=2.9, dur_s=0.3)]  # overlaps the end
     assert [s.start_s for s in sim._outside_generate(spans, "sync")] == [1.2, 2.9]
     assert sim._outside_generate([Span(name="sync", start_s=0.0, dur_s=1.0)], "sync")[0].dur_s == 1.0
 

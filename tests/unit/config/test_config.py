@@ -110,7 +110,7 @@ def test_algorithm_choices_are_the_registries():
 
     assert sorted(n for v in LOSS_VARIANTS for n in variant_names(v)) == sorted(LOSSES)
     assert sorted(n for v in ADVANTAGE_VARIANTS for n in variant_names(v)) == sorted(ADVANTAGES)
-    assert get_args(load_config(None).train.model_fields["agg"].annotation) == AGG_MODES
+    assert get_args(type(load_config(None).train).model_fields["agg"].annotation) == AGG_MODES
     for loss in LOSSES:
         for advantage in ADVANTAGES:
             if loss == "ppo" or advantage not in ("remax", "gae"):

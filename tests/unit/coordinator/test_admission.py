@@ -1,6 +1,7 @@
 """Admission control + in-order consumption never exceed max_staleness."""
 import random
 import threading
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -93,6 +94,20 @@ def test_buffer_safety_net_drops_too_stale():
 
 def test_buffer_take_blocks_until_put_from_another_thread():
     buf: ReplayBuffer[str] = ReplayBuffer(max_staleness=0, capacity=4)
-    threading.Timer(0.1, lambda: buf.put(0, 0, "late")).start()
-    taken = buf.take(1, 0, timeout=5)
-    assert taken.groups == ["late"] and taken.waited_s >= 0.05
+    waiting = threading.Event()
+
+    class Watched(threading.Event):  # take() looks at its stop event in every round of its wait
+        def is_set(self):
+            waiting.set()
+            return super().is_set()
+
+    def put_once_it_waits():
+        waiting.wait(timeout=60)
+        time.sleep(0.1)  # a wait of at least this long, for take() to measure
+        buf.put(0, 0, "late")
+
+    putter = threading.Thread(target=put_once_it_waits)
+    putter.start()
+    taken = buf.take(1, 0, timeout=60, stop=Watched())
+    putter.join()
+    assert taken.groups == ["late"] and taken.waited_s >= 0.1

@@ -1,4 +1,5 @@
 """The coordinator over real ZeroMQ sockets, driven by a hand-written actor."""
+import logging
 import subprocess
 import sys
 import time
@@ -8,6 +9,7 @@ import pytest
 import torch
 import zmq
 from conftest import ask, dealer, running_coordinator, wait_for
+from wire_samples import make_spans
 
 from async_rl.run.directory import RunDir
 from async_rl.wire import (
@@ -64,7 +66,8 @@ def test_register_grant_admission_and_experience(hub, tmp_path):
     push.setsockopt(zmq.LINGER, 0)
     push.connect(coord.experience_addr)
     for i in range(4):
-        push.send_multipart(encode(group_msg(welcome.actor_id, i, grant.prompt_ids[0] if i == 0 else task.train_prompt(i).id)))
+        prompt_id = grant.prompt_ids[0] if i == 0 else task.train_prompt(i).id
+        push.send_multipart(encode(group_msg(welcome.actor_id, i, prompt_id)))
     assert wait_for(lambda: len(coord.buffer) == 4)
     taken = coord.take(4, version=0, timeout=1)
     assert taken.indices == [0, 1, 2, 3] and coord.rejects.total == 0
@@ -125,22 +128,25 @@ def test_a_group_rejected_by_the_wire_layer_is_reissued(hub):
     assert list(coord.reissue) == [1] and set(coord.granted) == {0}
 
 
-def test_a_killed_actor_is_removed_when_its_connection_closes(hub):
+def test_a_killed_actor_is_removed_when_its_connection_closes(hub, caplog):
     coord, ctx, _ = hub
     script = ("import sys, time, zmq\n"
               "from async_rl.wire import Hello, WorkRequest, RejectCounter, WireLimits, recv, send\n"
               "s = zmq.Context().socket(zmq.DEALER); s.connect(sys.argv[1])\n"
-              "send(s, Hello(actor_name='k', pid=1, host='h')); _, w = recv(s, WireLimits(), RejectCounter(), routed=False)\n"
-              "send(s, WorkRequest(actor_id=w.actor_id, version=0, max_groups=2)); recv(s, WireLimits(), RejectCounter(), routed=False)\n"
+              "send(s, Hello(actor_name='k', pid=1, host='h'))\n"
+              "_, w = recv(s, WireLimits(), RejectCounter(), routed=False)\n"
+              "send(s, WorkRequest(actor_id=w.actor_id, version=0, max_groups=2))\n"
+              "recv(s, WireLimits(), RejectCounter(), routed=False)\n"
               "print('granted', flush=True); time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", script, coord.hub_addr], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "granted"
         assert coord.live_actors == 1
-        proc.kill()  # SIGKILL: no goodbye; the heartbeat timeout is 30 s here
-        killed = time.monotonic()
-        assert wait_for(lambda: coord.live_actors == 0, timeout=5.0)
-        assert time.monotonic() - killed < 2.0 and sorted(coord.reissue) == [0, 1]
+        with caplog.at_level(logging.WARNING, logger="async_rl.coordinator"):
+            proc.kill()  # SIGKILL: no goodbye; the heartbeat timeout is 30 s here
+            assert wait_for(lambda: coord.live_actors == 0)
+        # Its closed connection removed it, not the heartbeat timeout.
+        assert "removed: its connection closed" in caplog.text and sorted(coord.reissue) == [0, 1]
     finally:
         proc.kill()
         proc.wait()
@@ -173,13 +179,41 @@ def test_requests_for_an_actor_from_another_socket_are_refused(hub):
     assert wait_for(lambda: coord.live_actors == 0) and list(coord.reissue) == [0, 1]
 
 
+def test_spans_arriving_after_their_actors_goodbye_are_still_traced(hub):
+    coord, ctx, _ = hub
+    sock = dealer(ctx, coord.hub_addr)
+    welcome = ask(sock, Hello(actor_name="t", pid=1, host="h"))
+    send(sock, Goodbye(reason="leaving", actor_id=welcome.actor_id))
+    assert wait_for(lambda: coord.live_actors == 0)
+    # Shipped on the heartbeat socket, spans can arrive after the goodbye: still traced.
+    heartbeat_socket = dealer(ctx, coord.hub_addr)
+    send(heartbeat_socket, make_spans(n=2, actor_id=welcome.actor_id))
+    send(sock, make_spans(n=1, actor_id=welcome.actor_id + 7))  # an id never given: rejected
+
+    def spans_by_track():
+        events = coord.trace.document()["traceEvents"]
+        tracks = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+        counts = dict.fromkeys(tracks.values(), 0)
+        for e in events:
+            if e["ph"] == "X":
+                counts[tracks[e["pid"]]] += 1
+        return counts
+
+    assert wait_for(lambda: spans_by_track().get(f"actor-{welcome.actor_id}") == 2)
+    assert wait_for(lambda: coord.rejects.by_reason().get("unknown_actor") == 1)
+    assert f"actor-{welcome.actor_id + 7}" not in spans_by_track()
+
+
 def test_silent_actor_is_removed_and_its_prompts_reissued(hub):
     coord, ctx, task = hub
-    coord.cfg.actors.heartbeat_timeout_s = 0.3
     a = dealer(ctx, coord.hub_addr)
     wa = ask(a, Hello(actor_name="a", pid=1, host="h"))
     assert ask(a, WorkRequest(actor_id=wa.actor_id, version=0, max_groups=2)).groups == [0, 1]
+    # Silent from now on (a short timeout only now: a slow machine must not make the
+    # actor seem silent between its hello and its request).
+    coord.cfg.actors.heartbeat_timeout_s = 0.3
     assert wait_for(lambda: coord.live_actors == 0)
+    coord.cfg.actors.heartbeat_timeout_s = 30.0
     b = dealer(ctx, coord.hub_addr)
     wb = ask(b, Hello(actor_name="b", pid=2, host="h"))
     assert ask(b, WorkRequest(actor_id=wb.actor_id, version=0, max_groups=4)).groups == [0, 1, 2, 3]
@@ -205,7 +239,7 @@ def test_membership_change_brings_up_to_date_actors_into_the_new_group(hub):
     coord.advance(1)
 
     def sync_once(sock, actor_id, version, params):
-        deadline = time.time() + 10
+        deadline = time.time() + 30
         while time.time() < deadline:  # the job appears asynchronously
             reply = ask(sock, WorkRequest(actor_id=actor_id, version=version, max_groups=0))
             if isinstance(reply, SyncOrder):
@@ -233,7 +267,7 @@ def test_membership_change_brings_up_to_date_actors_into_the_new_group(hub):
     t = threading.Thread(target=lambda: results.setdefault("a", sync_once(a, wa.actor_id, 1, params_a)))
     t.start()
     second_b = sync_once(b, wb.actor_id, 0, params_b)
-    t.join(timeout=15)
+    t.join(timeout=60)
     assert results["a"].epoch == second_b.epoch > first.epoch and second_b.world_size == 3
     assert torch.equal(params_b, torch.full((4,), 7.0))
 
@@ -264,7 +298,7 @@ def test_prompts_over_the_limit_are_skipped_and_later_slots_flow(tmp_path):
         push.connect(coord.experience_addr)
         for index, pid in zip(grant.groups, grant.prompt_ids):
             push.send_multipart(encode(group_msg(welcome.actor_id, index, pid)))
-        taken = coord.take(len(grant.groups), version=0, timeout=5)
+        taken = coord.take(len(grant.groups), version=0, timeout=30)
         assert taken is not None and taken.indices == grant.groups and coord.rejects.total == 0
         assert coord.counters()["data/prompts_skipped"] == len(long_ones) and coord.too_long_in_a_row() == 0
 

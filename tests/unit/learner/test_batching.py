@@ -86,13 +86,15 @@ def test_a_multi_turn_response_scores_only_the_policys_tokens_and_places_its_ste
                      step_rewards=np.array([0.5, 1.0]))
     single = Response(np.array([7, 8]), np.array([-0.1, -0.2]), np.zeros(2))
     g = ExperienceGroup.from_responses([turns, single], actor_id=0, group=0, prompt_id=0, version=0,
-                                       prompt_tokens=np.array([1, 2], np.int32), rewards=np.array([1.5, 0.25], np.float32),
+                                       prompt_tokens=np.array([1, 2], np.int32),
+                                       rewards=np.array([1.5, 0.25], np.float32),
                                        truncated=np.zeros(2, np.uint8), gen_seconds=0.0)
     batch = build_batch([g], pad_id=PAD)
     assert batch.tokens.tolist() == [[1, 2, 4, 5, 90, 91, 6], [1, 2, 7, 8, PAD, PAD, PAD]]
     # Position t predicts token t+1: the environment's 90, 91 (positions 3, 4) are context.
     assert batch.loss_mask.tolist() == [[0, 1, 1, 0, 0, 1], [0, 1, 1, 0, 0, 0]]
-    assert batch.logp_behav.tolist() == [[0, -0.5, -0.25, 0, 0, -1.0], [0, pytest.approx(-0.1), pytest.approx(-0.2), 0, 0, 0]]
+    assert batch.logp_behav.tolist() == [[0, -0.5, -0.25, 0, 0, -1.0],
+                                         [0, pytest.approx(-0.1), pytest.approx(-0.2), 0, 0, 0]]
     nan = float("nan")
     steps = torch.where(batch.step_rewards.isnan(), nan, batch.step_rewards)
     # The steps end at response offsets 1 and 4 (tokens 5 and 6); a response without steps

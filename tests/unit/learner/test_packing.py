@@ -6,6 +6,18 @@ sequences are caught, and micro-batches are whole groups within the token budget
 import pytest
 import torch
 
+# The models run in float64, where packed and padded orders of summation differ by
+# ~1e-16. A few steps stay float32 (transformers' RMSNorm, eager attention's softmax), and
+# a rounding to float32 there may land on either side: a few float32 epsilons of the
+# scale of the result (in float32, the difference depends on the CPU's kernels).
+ROUNDING = 16 * torch.finfo(torch.float32).eps
+
+
+def assert_within_rounding(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got, want = got.detach(), want.detach()
+    bound = ROUNDING * float(want.abs().max())
+    assert float((got - want).abs().max()) <= bound, what
+
 
 def tiny_models():
     from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -31,19 +43,23 @@ def test_packed_logp_equal_padded(attn):
     batch = build_batch(synthetic_groups(6, 4, seed=3), pad_id=0)
     mask = batch.loss_mask.bool()
     for name, model in tiny_models().items():
+        model = model.to(torch.float64)
         model.config._attn_implementation = attn
         padded, h_padded = forward_logp(model, batch, 0.7, entropy=True)
         for row_tokens in (None, 10_000):
             packed, h_packed = forward_logp(model, batch, 0.7, entropy=True, layout=layout(model, batch, row_tokens))
-            torch.testing.assert_close(packed[mask], padded[mask], rtol=0, atol=1e-5, msg=name)
-            torch.testing.assert_close(h_packed[mask], h_padded[mask], rtol=0, atol=1e-5, msg=name)
+            assert_within_rounding(packed[mask], padded[mask], name)
+            assert_within_rounding(h_packed[mask], h_padded[mask], name)
             assert (packed[~mask] == 0).all()
             shared, h_shared = forward_logp(model, batch, 0.7, entropy=True,
                                             layout=layout(model, batch, row_tokens, group_size=4))
-            torch.testing.assert_close(shared[mask], padded[mask], rtol=0, atol=1e-5, msg=name)
-            torch.testing.assert_close(h_shared[mask], h_padded[mask], rtol=0, atol=1e-5, msg=name)
+            assert_within_rounding(shared[mask], padded[mask], name)
+            assert_within_rounding(h_shared[mask], h_padded[mask], name)
             assert (shared[~mask] == 0).all()
-        assert packing_error(model) < 1e-5 and packing_error(model, shared=True) < 1e-5
+        # The check's figure is a difference of logits, at most about 1 in these models.
+        logits = model(input_ids=batch.tokens, attention_mask=batch.attention).logits
+        scale = max(1.0, float(logits.detach().abs().max()))
+        assert packing_error(model) <= ROUNDING * scale and packing_error(model, shared=True) <= ROUNDING * scale
 
 
 def test_shared_prompt_layout_counts_each_prompt_once_and_has_the_same_gradients():
@@ -62,7 +78,7 @@ def test_shared_prompt_layout_counts_each_prompt_once_and_has_the_same_gradients
     assert int((layout.positions.flatten() > 0).sum()) + len(groups) == real  # one position 0 per prompt
     C = layout.tokens.shape[1]
     assert layout.tree.shape == layout.part.shape == (1, C) and layout.attention_mask().shape == (1, 1, C, C)
-    model = tiny_models()["qwen2"]
+    model = tiny_models()["qwen2"].to(torch.float64)
     weights = torch.randn(batch.loss_mask.shape)
     grads = []
     for packed in (None, layout):  # the same layout serves a second forward too (train_step reuses it)
@@ -70,7 +86,9 @@ def test_shared_prompt_layout_counts_each_prompt_once_and_has_the_same_gradients
         logp, _ = forward_logp(model, batch, 1.0, layout=packed)
         (logp * weights * batch.loss_mask).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)
+    # One scale for all parameters: a single tensor's gradient can cancel far below the
+    # gradients flowing through the network, where the float32 roundings happen.
+    assert_within_rounding(grads[1], grads[0], "gradients")
 
 
 def test_a_model_that_ignores_custom_masks_fails_the_shared_prompt_check():

@@ -65,7 +65,8 @@ def test_manifest_round_trip(tmp_path):
 
 
 DAMAGE = {
-    "truncated shard": (lambda c: truncate_half(c / "__0_0.distcp"), "shard __0_0.distcp: 5120 bytes, manifest says 10240"),
+    "truncated shard": (lambda c: truncate_half(c / "__0_0.distcp"),
+                        "shard __0_0.distcp: 5120 bytes, manifest says 10240"),
     "deleted shard": (lambda c: (c / "__0_0.distcp").unlink(), "missing file __0_0.distcp"),
     "deleted .metadata": (lambda c: (c / ".metadata").unlink(), "missing file .metadata"),
     "garbled coordinator.json": (lambda c: (c / STATE_FILE).write_text('{"version": 9}'), "coordinator.json: checksum"),

@@ -2,7 +2,6 @@
 `--run-dir` do: it comes when endpoints.json does, and a reason to give up or the
 deadline ends the wait."""
 import json
-import threading
 import time
 
 import pytest
@@ -11,16 +10,16 @@ from async_rl.run.directory import RunDir
 
 
 def test_the_hub_address_comes_once_endpoints_json_is_written(tmp_path):
-    def publish():
-        time.sleep(0.3)
-        (tmp_path / "endpoints.json").write_text(json.dumps({"hub": "tcp://127.0.0.1:5555", "actors": []}))
+    polls = []
 
-    writer = threading.Thread(target=publish)
-    writer.start()
-    try:
-        assert RunDir(tmp_path).wait_for_hub(timeout_s=10) == "tcp://127.0.0.1:5555"
-    finally:
-        writer.join()
+    def publish_once_it_waits():  # polled every round: the second round has looked once and found none
+        polls.append(1)
+        if len(polls) == 2:
+            (tmp_path / "endpoints.json").write_text(json.dumps({"hub": "tcp://127.0.0.1:5555", "actors": []}))
+        return None
+
+    assert RunDir(tmp_path).wait_for_hub(timeout_s=60, give_up=publish_once_it_waits) == "tcp://127.0.0.1:5555"
+    assert len(polls) == 2
 
 
 def test_a_reason_to_give_up_ends_the_wait_with_it(tmp_path):
@@ -39,4 +38,4 @@ def test_no_hub_before_the_deadline_is_an_error_naming_it(tmp_path):
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="did not come up within 0s"):
         RunDir(tmp_path / "not-yet-made").wait_for_hub(timeout_s=0.3)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30  # its deadline, however slow the machine, not a longer one

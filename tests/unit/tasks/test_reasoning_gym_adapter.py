@@ -69,7 +69,8 @@ def test_a_partial_credit_scorer_reads_the_entrys_metadata():
 @pytest.mark.parametrize("options, message", [
     ({"dataset": "no_such_dataset"}, "task.dataset: reasoning-gym has no dataset 'no_such_dataset'"),
     ({"dataset": "leg_counting", "options": {"legs": 3}}, "task.dataset_options: reasoning-gym's leg_counting refused"),
-    ({"dataset": "leg_counting", "options": {"min_animals": 5, "max_animals": 2}}, "max_animals must be >= min_animals"),
+    ({"dataset": "leg_counting", "options": {"min_animals": 5, "max_animals": 2}},
+     "max_animals must be >= min_animals"),
     ({"dataset": "leg_counting", "options": {"seed": 1}}, "task.dataset_options.seed"),
 ])
 def test_bad_datasets_and_options_are_one_line(options, message):
@@ -80,7 +81,8 @@ def test_bad_datasets_and_options_are_one_line(options, message):
 
 @pytest.mark.parametrize("overrides, key", [
     (["task.name=reasoning_gym"], "task.dataset: required"),
-    (["task.name=reasoning_gym", "task.dataset=leg_counting", "task.reward=exact_match"], "task.reward: unknown key for task.name=reasoning_gym"),
+    (["task.name=reasoning_gym", "task.dataset=leg_counting", "task.reward=exact_match"],
+     "task.reward: unknown key for task.name=reasoning_gym"),
 ])
 def test_config_refuses_what_the_task_cannot_use(overrides, key):
     with pytest.raises(ConfigError, match=key):

@@ -215,7 +215,8 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_demo_model_loads_and_tokenizes(demo_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    for name in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"]:
+    for name in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"]:
         assert (demo_dir / name).is_file(), name
     tok = AutoTokenizer.from_pretrained(demo_dir)
     model = AutoModelForCausalLM.from_pretrained(demo_dir)

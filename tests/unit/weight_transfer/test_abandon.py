@@ -19,13 +19,12 @@ def test_gives_up_at_once_and_leaves_the_stuck_transfer_behind():
         asked.append(time.monotonic())
         return "member 2 was dropped" if len(asked) >= 3 else None
 
-    started = time.monotonic()
     with pytest.raises(SyncAbandoned, match="member 2 was dropped"):
         run_abandonable(release.wait, give_up, "send", left)
-    assert time.monotonic() - started < 1.0
+    assert len(asked) == 3  # gave up at the first reason, the transfer still stuck
     assert len(left) == 1 and left[0].is_alive() and left[0].name.endswith(":send")
     release.set()
-    left[0].join(timeout=5)
+    left[0].join(timeout=30)
     assert not left[0].is_alive()
 
 

@@ -1,4 +1,4 @@
-"""async_rl/engines may import from async_rl/weight_sync, never the other way round, and
+"""async_rl/actor/engines may import from async_rl/weight_transfer, never the other way round, and
 the modules of the two packages import without a cycle: read from every import
 statement (those inside functions too), and by importing each module afresh."""
 import ast
@@ -54,14 +54,14 @@ def in_scope(name: str) -> bool:
     return any(name == pkg or name.startswith(pkg + ".") for pkg in SCOPE)
 
 
-def test_weight_sync_imports_nothing_from_engines():
+def test_weight_transfer_imports_nothing_from_engines():
     known = module_names()
     offending = {name: sorted(d for d in imports_of(name, pkg, known) if d.startswith("async_rl.actor.engines"))
                  for name, pkg in known.items() if name.startswith("async_rl.weight_transfer")}
     assert not {k: v for k, v in offending.items() if v}
 
 
-def test_no_import_cycle_among_engines_and_weight_sync():
+def test_no_import_cycle_among_engines_and_weight_transfer():
     known = module_names()
     graph = {name: {d for d in imports_of(name, pkg, known) if in_scope(d)}
              for name, pkg in known.items() if in_scope(name)}
@@ -83,8 +83,8 @@ def test_no_import_cycle_among_engines_and_weight_sync():
 
 def test_each_module_imports_on_its_own():
     """In one fresh interpreter: every module of the two packages imported with no
-    async_rl module loaded before it; importing weight_sync loads no engine module. A
-    module that runs inside an optional library (vllm_gloo, inside vLLM) only where
+    async_rl module loaded before it; importing weight_transfer loads no engine module. A
+    module that runs inside an optional library (vllm/gloo_plugin.py, inside vLLM) only where
     that library is installed."""
     optional = {"async_rl.weight_transfer.vllm.gloo_plugin": "vllm"}
     modules = sorted(name for name in module_names()

@@ -56,12 +56,16 @@ def test_cache_reserves_full_attention_layers_only() -> None:
 
 def test_engine_generates_the_same_with_dynamic_cache(tmp_path, monkeypatch) -> None:
     """The torch engine's tokens and log-probs with ReservingCache equal those with
-    transformers' DynamicCache, for the same seed (rows stop and leave the batch)."""
+    transformers' DynamicCache, for the same seed (rows stop and leave the batch).
+    The same keys and values, in buffers of other strides, for which kernels may sum in
+    other orders: the model runs in float64, where that moves a result by ~1e-16. The
+    engine's softmax takes float32 logits, and transformers' RMSNorm computes in float32,
+    so a rounding may land on either side: a few float32 epsilons of the logits' scale."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
                                       initializer_range=0.5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    engine = TorchEngine(transformers.LlamaForCausalLM(config), eos_token_id=[3])
+    engine = TorchEngine(transformers.LlamaForCausalLM(config), eos_token_id=[3], dtype=torch.float64)
     prompts = [[1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 4, 5, 6, 7, 8, 9, 10, 5], [7, 8]]
 
     def run():
@@ -76,7 +80,10 @@ def test_engine_generates_the_same_with_dynamic_cache(tmp_path, monkeypatch) -> 
     monkeypatch.setattr(engine, "_new_cache", lambda: Concatenating(config=config))
     plain = run()
     assert any(not c.finished for group in plain for c in group) and any(c.finished for group in plain for c in group)
-    for group_a, group_b in zip(reserved, plain):
+    for prompt, group_a, group_b in zip(prompts, reserved, plain):
         for a, b in zip(group_a, group_b):
             assert torch.equal(a.tokens, b.tokens)
-            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
+            with torch.no_grad():
+                scale = float(engine.model(input_ids=torch.tensor([prompt + a.tokens.tolist()])).logits.abs().max())
+            bound = 16 * torch.finfo(torch.float32).eps * scale
+            assert float((a.logprobs - b.logprobs).abs().max()) <= bound

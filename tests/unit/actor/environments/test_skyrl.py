@@ -97,7 +97,7 @@ def test_episodes_run_to_the_environments_end_and_close_it(engine_and_format):
     for ep in episodes:
         assert ep.failure is None and ep.turns == 3 and ep.reward == pytest.approx(1.5)
         assert ep.step_rewards == [0.5] * 3 and 0 in ep.mask  # the replies are the environment's tokens
-    deadline = time.monotonic() + 5  # close() runs in a thread of its own
+    deadline = time.monotonic() + 30  # close() runs in a thread of its own
     while len(CLOSED) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert CLOSED == [3, 3]

@@ -16,22 +16,26 @@ from async_rl.actor.rollout.turns import TurnFormat
 from async_rl.tasks.base import Prompt
 from async_rl.tasks.prompt_format import PromptFormat
 
+# A gate or a hang waits this long at most: far longer than the timeouts it is to
+# outlast, and only spent when something is broken.
+WAIT_S = 30.0
+
 
 class Counting:
     """Answers every turn with its number; done after `turns` turns, rewarding each.
-    Prompt "slow" sleeps `sleep_s` in its first turn, or, given `gate`, waits there until
-    the gate opens (at most 4 s) and records whether it did."""
+    Prompt "slow" hangs in its first turn until `hang` is set, or, given `gate`, waits
+    there until the gate opens and records whether it did."""
 
-    def __init__(self, prompt, turns=2, sleep_s=0.0, gate=None):
-        self.prompt, self.turns, self.sleep_s, self.gate, self.seen = prompt, turns, sleep_s, gate, 0
+    def __init__(self, prompt, turns=2, hang=None, gate=None):
+        self.prompt, self.turns, self.hang, self.gate, self.seen = prompt, turns, hang, gate, 0
 
     def step(self, action):
         self.seen += 1
         if self.prompt.text == "slow" and self.seen == 1:
             if self.gate is not None:
-                self.gate["released"].append(self.gate["open"].wait(timeout=4.0))
-            else:
-                time.sleep(self.sleep_s)
+                self.gate["released"].append(self.gate["open"].wait(timeout=WAIT_S))
+            elif self.hang is not None:
+                self.hang.wait(timeout=WAIT_S)
         done = self.seen == self.turns
         if done and self.gate is not None and self.prompt.text == "fast":
             self.gate["fast_done"].append(True)
@@ -82,29 +86,34 @@ def test_a_slow_environment_does_not_hold_the_others_and_a_hung_one_fails_alone(
     A hung environment (or factory) fails its episodes at env.timeout_s, the others end whole."""
     engine, pf, turns = setup
     saved = engine.eos_token_ids, engine._eos
+    hang_turn, hang_start = threading.Event(), threading.Event()  # set at the end: the hung calls return
     engine.eos_token_ids, engine._eos = list(range(len(pf.tokenizer))), torch.arange(len(pf.tokenizer))
     try:
         prompts = [Prompt(id=0, text="slow", answer=""), Prompt(id=1, text="fast", answer="")]
         # The slow episodes' first answer waits until both fast episodes have ended: the
         # engine must take the fast ones' later turns meanwhile, or the gate never opens.
         gate = {"open": threading.Event(), "released": [], "fast_done": []}
-        groups = _run(setup, lambda p: Counting(p, turns=3, gate=gate), prompts, Limits(5, 200, 4))
+        groups = _run(setup, lambda p: Counting(p, turns=3, gate=gate), prompts, Limits(5, 200, 4),
+                      timeout_s=2 * WAIT_S)
         assert gate["released"] == [True, True]
         assert all(ep.done and not ep.truncated and ep.turns == 3 and ep.reward == 3.0 for g in groups for ep in g)
         assert [ep.response().policy_mask.sum() for ep in groups[1]] == [3, 3]
 
-        hung = _run(setup, lambda p: Counting(p, turns=3, sleep_s=3.0), prompts, Limits(5, 200, 4), timeout_s=0.3,
+        # The timeout is for the hung calls; the others return at once, even on a slow machine.
+        hung = _run(setup, lambda p: Counting(p, turns=3, hang=hang_turn), prompts, Limits(5, 200, 4), timeout_s=1.0,
                     fallback=-1.0)
         assert all(ep.failure == "timeout" and ep.reward == -1.0 for ep in hung[0])
         assert all(ep.failure is None and ep.reward == 3.0 for ep in hung[1])
 
         def slow_to_start(p):
             if p.text == "slow":
-                time.sleep(3.0)
+                hang_start.wait(timeout=WAIT_S)
             return Counting(p, turns=3)
 
-        started = _run(setup, slow_to_start, prompts, Limits(5, 200, 4), timeout_s=0.3, fallback=-1.0)
+        started = _run(setup, slow_to_start, prompts, Limits(5, 200, 4), timeout_s=1.0, fallback=-1.0)
         assert all(ep.failure == "timeout" and ep.turns == 0 and len(ep.response().tokens) == 0 for ep in started[0])
         assert all(ep.failure is None and ep.reward == 3.0 for ep in started[1])
     finally:
+        hang_turn.set()
+        hang_start.set()
         engine.eos_token_ids, engine._eos = saved

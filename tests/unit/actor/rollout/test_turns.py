@@ -31,7 +31,8 @@ def test_a_turn_cut_before_its_stop_token_gets_the_whole_closing():
 
 def test_without_a_chat_template_the_contents_are_appended_line_by_line():
     pf = PromptFormat(build_chat_tokenizer(template=None))
-    assert TurnFormat(pf).text([{"role": "tool", "content": "12"}, {"role": "user", "content": "go on"}]) == "12\ngo on\n"
+    turns = [{"role": "tool", "content": "12"}, {"role": "user", "content": "go on"}]
+    assert TurnFormat(pf).text(turns) == "12\ngo on\n"
 
 
 def test_templates_that_drop_or_rewrite_turns_are_refused():
