@@ -237,7 +237,7 @@ def test_models_and_settings_vllm_cannot_run_are_one_line(tmp_path) -> None:
         make_engine("vllm", model_or_path=narrow, device="cpu")
     assert "\n" not in str(err.value)
     wide = save_model(tmp_path / "wide", seed=0)
-    with pytest.raises(VLLMConfigError, match=r"^actors\.vllm\.max_model_len: 65 exceeds .* \(64\)$"):
+    with pytest.raises(VLLMConfigError, match=r"^actors\.engine\.max_model_len: 65 exceeds .* \(64\)$"):
         make_engine("vllm", model_or_path=wide, device="cpu", max_model_len=65)
 
 
