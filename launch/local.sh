@@ -3,9 +3,9 @@
 #
 # Usage:  launch/local.sh CONFIG.yaml [key.sub=value ...] [--resume RUN_DIR]
 #
-# A thin wrapper around `async-rl train` (same arguments, same exit status): it spawns
-# the learner world with torchrun (learner.ranks ranks), waits for the hub, starts
-# actors.count actors, and on Ctrl-C saves a checkpoint and final/ and stops them all.
+# A thin wrapper around `async-rl train` (same arguments, same exit status): it starts
+# the learner (torchrun for learner.ranks > 1, one child process otherwise), waits for
+# the hub, starts actors.count actors, and on Ctrl-C saves a checkpoint and final/.
 # For several machines see launch/learner.sh and launch/actors.sh (launch/README.md).
 #
 # Environment:
