@@ -2,11 +2,11 @@
 samples/s, learner idle fraction and the staleness distribution, from component rates.
 
 The model (one heapq of (time, seq, callback) events):
-- Actor (actor/process.py, coordinator/coordinator.py): a work request is answered at once with a sync
-  order (a broadcast is in flight that this actor has not received), else a grant of
-  min(groups_per_request, admission_limit - admitted) groups (async_rl/staleness.py,
-  the rule coordinator/admission.py enforces; v = the actor's weight version), else
-  Wait: sleep 0.02 s, ask again. n granted groups take
+- Actor (actor/process.py, coordinator/coordinator.py): a work request is answered at
+  once with a sync order (a broadcast is in flight that this actor has not received),
+  else a grant of min(groups_per_request, admission_limit - admitted) groups
+  (async_rl/staleness.py, the rule coordinator/admission.py enforces; v = the actor's
+  weight version), else Wait: sleep 0.02 s, ask again. n granted groups take
   n * (gen + overhead) seconds and reach the buffer together. A request costs
   `request_seconds`.
 - Learner (learner/loop.py): takes groups B*k .. B*k+B-1 (admission order) once all

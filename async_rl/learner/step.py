@@ -15,11 +15,11 @@
 
 How the shares are formed, and why each backward is scaled by the world size, is
 algorithms/normalization.py: the step equals a single process training on the whole
-batch (tests/integration/test_fsdp.py checks it in float64, up to float32 rounding). With `learner.pack` the
-policy/reference forwards are padding-free (packing.py), with `learner.share_prompt`
-each group's prompt is computed once; the critic's forward stays padded. The loss
-math stays in the padded [N, L-1] layout of batching.py, where every algorithm is
-written and tested: packed log-probs are placed back into it.
+batch (tests/integration/test_fsdp.py checks it in float64, up to float32 rounding).
+With `learner.pack` the policy/reference forwards are padding-free (packing.py), with
+`learner.share_prompt` each group's prompt is computed once; the critic's forward stays
+padded. The loss math stays in the padded [N, L-1] layout of batching.py, where every
+algorithm is written and tested: packed log-probs are placed back into it.
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Loading Hugging Face models and tokenizers the way every role does."""
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def quiet_libraries() -> None:
     """Per-load progress bars from transformers would drown the run's own progress bar."""
@@ -24,8 +26,6 @@ def load_tokenizer(path: str, quick: bool = False):
     load it as the plain fast tokenizer, without transformers' auto classes, whose import
     takes seconds (torch's among them): for the launcher's checks, which only render and
     encode sample prompts."""
-    from pathlib import Path
-
     if quick and (Path(path) / "tokenizer.json").exists():
         from transformers import PreTrainedTokenizerFast
 

@@ -270,7 +270,7 @@ def train(cfg: Config, resume: str | None = None) -> int:
     learner = subprocess.Popen(learner_command(cfg, run_dir, checkpoint),
                                env=dict(_child_env(cfg.learner.threads), **{LAUNCHER_ENV: "1"}),
                                start_new_session=True, pass_fds=(lock.fd,), preexec_fn=child_of(os.getpid()))
-    direct = cfg.learner.ranks == 1
+    direct = runs_directly(cfg)
     actors: list[subprocess.Popen] = []
     restarts = 0
     stop_signal = 0
@@ -347,10 +347,16 @@ def learner_command(cfg: Config, run_dir: Path, checkpoint: Path | None) -> list
     torchrun, with torchrun's failure report sent to logs/ (learner/world.py)."""
     learner = ["-m", "async_rl.learner", str(run_dir / "config.yaml"),
                *(["--resume", str(checkpoint)] if checkpoint else [])]
-    if cfg.learner.ranks == 1:  # torchrun's own interpreter and rendezvous would only add seconds
+    if runs_directly(cfg):
         return [sys.executable, *learner]
     return [sys.executable, "-m", "async_rl.learner.world", str(run_dir), "--standalone",
             f"--nproc-per-node={cfg.learner.ranks}", *learner]
+
+
+def runs_directly(cfg: Config) -> bool:
+    """Whether the learner is one rank run as this process's child: torchrun's own
+    interpreter and rendezvous would only add seconds to it."""
+    return cfg.learner.ranks == 1
 
 
 def killed_or_failed(learner: subprocess.Popen) -> str:
