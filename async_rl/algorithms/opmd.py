@@ -12,6 +12,12 @@ weight. The batch loss is the mean over the prompt groups present.
 length_norm=True divides each log-ratio by the response length (S_j becomes a
 per-token mean), so long responses do not dominate the residual and tau keeps
 one meaning across lengths.
+
+The sampler's log-probs being the reference, OPMD needs no importance weight; a
+`train.correction` still applies, at the sequence level: tokens it masks leave S_j and
+S_j^behav, and response j's squared residual is weighted by W_j, the mean of its
+tokens' weights (0 for a masked token). A sequence-level correction gives every token
+of a response the same weight, so W_j is that weight; with `none`, W_j = 1.
 """
 
 from __future__ import annotations
@@ -28,11 +34,15 @@ def opmd_loss(
     *,
     tau: float = 1.0,
     length_norm: bool = False,
+    weights: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`logp`, `logp_behav`, `mask` are `[B, T]`; `rewards` and `group` are `[B]`
-    (group ids arbitrary, any order). Returns (scalar loss with grad, {metric key:
-    mean over the responses})."""
-    m = mask.bool()
+    (group ids arbitrary, any order); `weights` and `keep` the correction's (None: 1
+    and every response token). Returns (scalar loss with grad, {metric key: mean over
+    the responses})."""
+    response = mask.bool()
+    m = response if keep is None else response & keep.bool()
     dtype = torch.promote_types(logp.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
     # torch.where, not multiplication: garbage (inf/NaN) in padding must not reach sums or grads.
@@ -47,10 +57,14 @@ def opmd_loss(
 
     log_ratio = seq_logp - seq_logp_behav
     if length_norm:
-        log_ratio = log_ratio / m.sum(dim=-1).clamp(min=1).to(dtype)
+        log_ratio = log_ratio / response.sum(dim=-1).clamp(min=1).to(dtype)
     residual = r - r_mean - tau * log_ratio
+    seq_weight = torch.ones_like(r)
+    if weights is not None:  # an empty response (no gradient) keeps weight 1: its residual is still a loss value
+        mean_weight = torch.where(response, weights.detach().to(dtype), zero).sum(-1) / response.sum(-1).clamp(min=1)
+        seq_weight = torch.where(response.any(-1), mean_weight, seq_weight)
     # (1/k) sum over the group, then mean over groups == sum_j residual_j^2 / (k_j * G).
-    loss = (residual.square() / k).sum() / max(n_groups, 1)
+    loss = (seq_weight * residual.square() / k).sum() / max(n_groups, 1)
 
     with torch.no_grad():
         stats = {

@@ -10,6 +10,8 @@ from async_rl.config.section import ConfigError
 MOVED: dict[str, tuple[str, str | None]] = {
     "train.ppo": ("train.loss.", "train.loss.name=ppo"),
     "train.opmd": ("train.loss.", "train.loss.name=opmd"),
+    "train.loss.is_cap": ("train.correction.cap", "train.correction.name=token or sequence_is"),
+    "train.loss.is_mode": ("train.correction.mode", "train.correction.name=token"),
     "train.critic.lr": ("train.advantage.critic_lr", "train.advantage.name=gae"),
     "train.critic.lam": ("train.advantage.lam", "train.advantage.name=gae"),
     "train.critic.value_clip": ("train.advantage.value_clip", "train.advantage.name=gae"),

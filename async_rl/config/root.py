@@ -68,7 +68,15 @@ def _whole_groups_per_rank(cfg: Config) -> str | None:
 def _advantage_for_the_loss(cfg: Config) -> str | None:
     advantage = cfg.train.advantage.name
     if cfg.train.loss.name == "opmd" and advantage in ("remax", "gae"):
-        return f"train.advantage: {advantage} needs train.loss=ppo (opmd uses rewards directly)"
+        return f"train.advantage: {advantage} needs train.loss=ppo, gspo or cispo (opmd uses rewards directly)"
+    return None
+
+
+def _correction_for_the_loss(cfg: Config) -> str | None:
+    loss, correction = cfg.train.loss, cfg.train.correction.name
+    if loss.name == "ppo" and not loss.decoupled and correction not in ("token", "none"):
+        return (f"train.correction: {correction} corrects toward the proximal policy, which naive PPO "
+                "(train.loss.decoupled=false) does not have; use decoupled PPO or train.correction=none")
     return None
 
 
@@ -94,5 +102,6 @@ def _vllm_adapters_between_requests(cfg: Config) -> str | None:
     return None
 
 
-RULES = (_syncs_reach_admission, _whole_groups_per_rank, _advantage_for_the_loss, _overlong_penalty_fits,
+RULES = (_syncs_reach_admission, _whole_groups_per_rank, _advantage_for_the_loss, _correction_for_the_loss,
+         _overlong_penalty_fits,
          _transport_for_the_device, _vllm_adapters_between_requests)

@@ -2,18 +2,21 @@
 optimizer (`train`), and its checkpoints (`checkpoint`)."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from async_rl.algorithms.config import (
     AdvantageConfig,
     AggMode,
+    CorrectionConfig,
     GroupAdvantage,
     KLConfig,
     LossConfig,
+    NoCorrection,
     OverlongConfig,
     PPOLoss,
+    TokenCorrection,
 )
 from async_rl.config.section import Section, choice
 
@@ -51,7 +54,8 @@ class TrainConfig(Section):
     max_steps: int = Field(60, ge=1, description="Learner steps (= the final policy version).")
     batch_groups: int = Field(64, ge=1, description="Prompt groups consumed per learner step.")
     group_size: int = Field(8, ge=1, description="Responses sampled per prompt (G).")
-    loss: LossConfig = Field(default_factory=PPOLoss, description="Policy loss: `ppo` (PPO-clip, decoupled) or `opmd` (Kimi k1.5).")
+    loss: LossConfig = Field(default_factory=PPOLoss, description="Policy loss, current to proximal policy: `ppo` (PPO-clip), `gspo`, `cispo` or `opmd` (Kimi k1.5).")
+    correction: CorrectionConfig = Field(default_factory=TokenCorrection, description="Behavior-to-proximal correction (`none` by default for opmd).")
     advantage: AdvantageConfig = Field(default_factory=GroupAdvantage, description="Advantage estimator (for ppo; opmd uses the rewards).")
     minibatches: int = Field(1, ge=1, description="Optimizer steps per learner step, on disjoint slices of the batch.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (entropy is logged either way).")
@@ -63,6 +67,18 @@ class TrainConfig(Section):
     max_skipped_steps: int = Field(5, ge=1, description="This many non-finite steps in a row stop the run (exit 3).")
     kl: KLConfig = Field(default_factory=KLConfig)
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _correction_of_the_loss(cls, data: Any) -> Any:
+        # OPMD's reference is the sampler's own log-probs: by default it takes no weight.
+        if isinstance(data, dict) and "correction" not in data:
+            loss = data.get("loss", "ppo")
+            name = loss if isinstance(loss, str) else (loss.get("name", "ppo") if isinstance(loss, dict)
+                                                         else getattr(loss, "name", "ppo"))
+            if name == "opmd":
+                return {**data, "correction": NoCorrection()}
+        return data
 
 
 class CheckpointConfig(Section):

@@ -11,6 +11,12 @@ every batch:
   equal and nonzero: the task is already solved or the reward is constant.
 Each is reported once, as one log line naming the likely cause, after it has held for
 `metrics.warn_after_steps` steps in a row.
+
+A third sign is read after the step: **mismatch** between the actors' policy and the
+learner's (`is/mismatch_kl`, importance.py) past `metrics.warn_mismatch_kl`, from stale
+data or from two engines' numbers (bf16 kernels, vLLM). Token-level weights stop holding
+there; the line says so when the mismatch first passes the threshold and again each
+time it doubles.
 """
 from __future__ import annotations
 
@@ -22,10 +28,26 @@ log = logging.getLogger("async_rl.learner.health")
 
 
 class RunHealth:
-    def __init__(self, steps: int, uses_chat_template: bool, max_new_tokens: int) -> None:
+    def __init__(self, steps: int, uses_chat_template: bool, max_new_tokens: int,
+                 mismatch_threshold: float | None = None) -> None:
         self.steps, self.uses_chat, self.max_new_tokens = steps, uses_chat_template, max_new_tokens
         self.streaks = {"one_token": 0, "no_variance": 0}
         self.warned: set[str] = set()
+        self.next_mismatch = mismatch_threshold
+
+    def check_mismatch(self, step: int, stats: dict[str, float]) -> str | None:
+        """Feed one step's figures; returns the mismatch warning issued now (already logged)."""
+        kl = stats.get("is/mismatch_kl")
+        if self.next_mismatch is None or kl is None or kl <= self.next_mismatch:
+            return None
+        threshold, self.next_mismatch = self.next_mismatch, 2 * max(kl, self.next_mismatch)
+        message = (f"step {step}: mismatch KL(actors || learner) {kl:.3g} is over {threshold:.3g} "
+                   f"(token ratio max {stats.get('is/ratio_max', float('nan')):.3g}, "
+                   f"{stats.get('is/masked_frac', 0.0):.1%} of tokens masked): stale data or two engines' numbers "
+                   "(bf16, vLLM); a sequence-level train.correction (geometric_mask, sequence_is) holds better there, "
+                   "see docs/algorithms.md#off-policy-corrections")
+        log.warning(message)
+        return message
 
     def check(self, rewards: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, group_size: int) -> list[str]:
         """Feed one batch (per-sample rewards, response lengths and truncation flags, in

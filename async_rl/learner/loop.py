@@ -65,15 +65,15 @@ class Loop:
             if local is None:  # rank 0 stopped before the step: a signal, or no data to be had
                 stop, interrupted = self.halt or Stop(0, f"interrupted at step {trainer.version}"), True
                 break
-            is_weights: list[torch.Tensor] | None = [] if self.rank0 else None
+            histograms: dict[str, list[torch.Tensor]] | None = {} if self.rank0 else None
             with self.spans.span("train-step", step=trainer.version + 1):
-                stats = trainer.step(local, is_weights)
+                stats = trainer.step(local, histograms)
             stats["memory/learner_peak_rss_gb"], bad_rewards = self.all_reduce_verdicts(data)
             # Before the publish: its broadcast can complete, and the actors ask for work at
             # the new version, before publish() even returns (streamed buckets).
             services.advance(trainer.version)
             sync_s = self.sync_weights() if trainer.version % cfg.sync.every == 0 else 0.0
-            services.log_step(trainer.version, stats, data, is_weights, sync_s)
+            services.log_step(trainer.version, stats, data, histograms, sync_s)
             stop = self.nonfinite_stop() or self.reward_error_stop(bad_rewards, data)
             if stop is not None:
                 break

@@ -50,7 +50,8 @@ class Rank0Services:
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
         self.prompt_format = prompt_format_for(cfg.model.path, cfg.task)  # for the samples shown in TensorBoard
         self.task = task_from_config(cfg.task, cfg.seed)
-        self.health = RunHealth(cfg.metrics.warn_after_steps, self.prompt_format.uses_chat, cfg.actors.max_new_tokens)
+        self.health = RunHealth(cfg.metrics.warn_after_steps, self.prompt_format.uses_chat, cfg.actors.max_new_tokens,
+                                cfg.metrics.warn_mismatch_kl)
         specs = sent_specs(cfg, trainer.specs)
         self.sync_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in specs)  # as they travel
         # vLLM's weight transfer carries whole models; LoRA adapters reach vLLM actors over the plain sync.
@@ -99,8 +100,8 @@ class Rank0Services:
         return lambda params: self.sender.publish(version, params)
 
     # -- metrics and evaluation ---------------------------------------------------
-    def log_step(self, version: int, stats: dict[str, float], data: StepData, is_weights: list[torch.Tensor],
-                 sync_s: float) -> None:
+    def log_step(self, version: int, stats: dict[str, float], data: StepData,
+                 histograms: dict[str, list[torch.Tensor]], sync_s: float) -> None:
         """The step's metrics line, each part named where it is computed, then the
         evaluation rounds the actors finished."""
         self.samples_total += data.samples
@@ -114,9 +115,10 @@ class Rank0Services:
             "sync/seconds": sync_s, "sync/bytes": self.sync_bytes,
             "sync/broadcast_seconds": self.sender.last_broadcast_s, **self.coordinator.counters(),
         }, texts=data.texts, histograms={
-            # Importance weights of rank 0's tokens only (whole groups, 1/learner.ranks
-            # of the batch): a fair sample of the batch, without a collective.
-            **data.histograms, "is/weight": torch.cat(is_weights) if is_weights else []})
+            # Importance weights and sequence log-ratios of rank 0's rows only (whole
+            # groups, 1/learner.ranks of the batch): a fair sample, without a collective.
+            **data.histograms, **{tag: torch.cat(values) for tag, values in histograms.items() if values}})
+        self.health.check_mismatch(version, stats)
         self.log_evals()
 
     def request_eval(self, version: int) -> None:

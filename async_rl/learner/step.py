@@ -8,6 +8,7 @@
                 holds whole groups), REINFORCE++/GAE whitening sums its moments over ranks
     for each minibatch:
         for each micro-batch:
+            weights = CORRECTIONS[train.correction] (behavior -> proximal)
             loss = LOSSES[train.loss] + KL + entropy bonus (+ critic loss), each term
                    this micro-batch's share of the global minibatch mean -> backward
         optimizer step (skipped on every rank when a loss or gradient is non-finite)
@@ -33,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from async_rl.algorithms.advantages import ADVANTAGES, AdvantageInputs
 from async_rl.algorithms.aggregation import aggregate
+from async_rl.algorithms.corrections import correct, sequence_log_ratio
 from async_rl.algorithms.gae import value_loss as critic_loss
 from async_rl.algorithms.importance import off_policy_figures
 from async_rl.algorithms.kl import kl_estimate
@@ -118,6 +120,12 @@ def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def _with_overlong(cfg: Config, local: Batch) -> Batch:
     """DAPO's overlong penalty and filter (algorithms/overlong.py), when configured."""
     o = cfg.train.overlong
@@ -179,31 +187,38 @@ def _units(cfg: Config, batch: Batch) -> Units:
     return Units.of(LOSSES[cfg.train.loss.name], batch.loss_mask, batch.group, cfg.train.agg)
 
 
+Histograms = dict[str, list[torch.Tensor]]
+
+
 def _backward_micro(cfg: Config, models: Models, x: Prepared, layout: packing.Packed | None, minibatch: Units,
-                    metrics: StepMetrics, is_weights: list[torch.Tensor] | None, padding: bool = False
+                    metrics: StepMetrics, histograms: Histograms | None, padding: bool = False
                     ) -> dict[str, float]:
     """Forward and backward one micro-batch's share of the minibatch loss and record its
     diagnostics; return its loss terms (this rank's shares). Appends the micro-batch's raw
-    importance weights (response tokens) to `is_weights` if given. A `padding` micro-batch
-    only keeps this rank's collectives in step with the other ranks': its loss is scaled
-    by 0, and its diagnostics and loss terms count as zeros."""
+    importance weights (response tokens) and sequence log-ratios to `histograms` if given.
+    A `padding` micro-batch only keeps this rank's collectives in step with the other
+    ranks': its loss is scaled by 0, and its diagnostics and loss terms count as zeros."""
     t, b, world = cfg.train, x.batch, dist.get_world_size()
     if padding:
-        metrics, is_weights = metrics.zeros_into(), None
+        metrics, histograms = metrics.zeros_into(), None
     mask = b.loss_mask
     units = _units(cfg, b)
     share = Shares.of(units, minibatch)
     logp, entropy = forward_logp(models.policy, b, cfg.actors.temperature, entropy=True,
                                  entropy_grad=t.entropy_coef > 0, layout=layout)
     prox = logp.detach() if x.prox is None else x.prox  # one optimizer step: the proximal policy is the current one
+    correction = correct(t.correction, prox, b.logp_behav, mask)
     out = LOSSES[t.loss.name](LossInputs(logp, prox, b.logp_behav, x.advantages, mask, b.rewards, b.group, t.loss,
-                                             t.agg))
+                                         t.agg, correction))
     metrics.update(out.metrics)
     metrics.add("policy/entropy", Mean(float(torch.where(mask.bool(), entropy.detach(), 0.0).sum()), units.tokens))
-    weights, off_policy = off_policy_figures(prox, b.logp_behav, mask)
+    weights, off_policy = off_policy_figures(prox, b.logp_behav, mask, correction)
     metrics.update(off_policy)
-    if is_weights is not None:
-        is_weights.append(weights[mask.bool()].cpu())
+    if histograms is not None:
+        m = mask.bool()
+        histograms.setdefault("is/weight", []).append(weights[m].cpu())
+        log_ratio = torch.where(m, prox.double() - b.logp_behav.double(), 0.0)
+        histograms.setdefault("is/seq_log_ratio", []).append(sequence_log_ratio(log_ratio, m)[m.any(-1)].cpu())
 
     terms = {"loss/policy": out.loss * share.policy}
     if x.ref is not None:
@@ -267,10 +282,12 @@ def _optimizer_step(models: Models, grad_clip: float, losses: dict[str, float], 
 
 def _skips_zero_advantage(cfg: Config, models: Models) -> bool:
     """Whether a group whose advantages are all 0 adds nothing to the step's gradient: the
-    PPO loss is A times a function of the log-probs, and no other term reads the group."""
+    PPO, GSPO and CISPO losses are A times a function of the log-probs, and no other term
+    reads the group."""
     t = cfg.train
-    return (cfg.learner.skip_zero_advantage and t.loss.name == "ppo" and t.minibatches == 1 and t.entropy_coef == 0
-            and models.reference is None and not models.reference_is_base and models.critic is None)
+    return (cfg.learner.skip_zero_advantage and t.loss.name in ("ppo", "gspo", "cispo") and t.minibatches == 1
+            and t.entropy_coef == 0 and models.reference is None and not models.reference_is_base
+            and models.critic is None)
 
 
 def _group_signal(x: Prepared, group_size: int) -> torch.Tensor:
@@ -306,11 +323,12 @@ def _any_signal(signal: torch.Tensor) -> bool:
     return bool(count.item() > 0)
 
 
-def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch.Tensor] | None = None
+def train_step(cfg: Config, models: Models, local: Batch, histograms: Histograms | None = None
                ) -> dict[str, float]:
     """One learner step on this rank's rows (whole groups); returns global diagnostics.
-    `is_weights`, if given, receives this rank's per-token behavior->proximal importance
-    weights (uncapped), for the TensorBoard histogram: local tokens only, no collective."""
+    `histograms`, if given, receives this rank's per-token behavior->proximal importance
+    weights (uncapped, "is/weight") and per-response sequence log-ratios
+    ("is/seq_log_ratio") for TensorBoard: local values only, no collective."""
     t = cfg.train
     models.policy.train()
     local = _with_overlong(cfg, local)
@@ -342,7 +360,7 @@ def train_step(cfg: Config, models: Models, local: Batch, is_weights: list[torch
     for micros, units in zip(padded, minibatch_units):
         losses: dict[str, float] = collections.Counter()
         for m, padding in micros:
-            losses.update(_backward_micro(cfg, models, prepared.rows(*m), layouts[m], units, metrics, is_weights,
+            losses.update(_backward_micro(cfg, models, prepared.rows(*m), layouts[m], units, metrics, histograms,
                                           padding))
         _optimizer_step(models, t.grad_clip, losses, metrics)
-    return metrics.reduce(_all_reduce_sum, local.tokens.device)
+    return metrics.reduce(_all_reduce_sum, local.tokens.device, _all_reduce_max)

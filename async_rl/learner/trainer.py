@@ -53,10 +53,10 @@ class Trainer:
         self.skipped_total = state["learner"]["skipped"]
         return state
 
-    def step(self, local: Batch, is_weights: list[torch.Tensor] | None) -> dict[str, float]:
+    def step(self, local: Batch, histograms: dict[str, list[torch.Tensor]] | None) -> dict[str, float]:
         """One learner step on this rank's rows; the version goes up by one. Returns the
         step's global figures (train_step's, plus the skip count and learning rate)."""
-        stats = train_step(self.cfg, self.models, local, is_weights)
+        stats = train_step(self.cfg, self.models, local, histograms)
         skipped = stats["learner/skipped_steps"]
         self.skipped_total += skipped
         self.skipped_streak = self.skipped_streak + 1 if skipped else 0

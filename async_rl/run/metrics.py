@@ -32,7 +32,7 @@ EVAL_KEYS = ("step", "version", "time", "eval/accuracy", "eval/reward_mean")
 
 # Histogram tags, one value per sample (per response token for the weights). Distinct
 # from the scalar tags: TensorBoard keeps one plugin per tag.
-HISTOGRAM_TAGS = ("staleness/per_sample", "is/weight", "train/response_len", "train/reward")
+HISTOGRAM_TAGS = ("staleness/per_sample", "is/weight", "is/seq_log_ratio", "train/response_len", "train/reward")
 GENERATIONS_TAG = "samples/generations"
 GENERATION_ROWS = 4
 

@@ -1,4 +1,4 @@
-"""The demo trains with every loss / advantage / regularizer choice: real processes
+"""The demo trains with every loss / correction / advantage / regularizer choice: real processes
 (learner ranks, actors, ZeroMQ, weight sync), two small steps each. Learning itself is
 measured by analysis/staleness_sweep.py; here every step must be finite, complete and
 carry the diagnostics of the chosen algorithm."""
@@ -15,7 +15,12 @@ CASES = {
                                       "train.loss.dual_clip=3.0", "train.loss.eps_high=0.28"],
                                      ["is/clip_frac_low", "is/clip_frac_high", "is/dual_clip_frac"]),
     "ppo-decoupled-rloo-entropy": (["train.advantage=rloo", "train.entropy_coef=0.01", "train.minibatches=2",
-                                    "train.agg=seq-mean-token-sum"], ["loss/entropy", "is/capped_frac"]),
+                                    "train.agg=seq-mean-token-sum"], ["loss/entropy", "is/truncated_frac"]),
+    # two ranks: the extremes of the ratio are taken over both
+    "gspo-kl-reject-two-ranks": (["train.loss=gspo", "train.correction=kl_reject", "train.correction.level=token",
+                                  "learner.ranks=2"], ["is/masked_frac", "is/ratio_max", "is/seq_log_ratio_q99"]),
+    "cispo-sequence-mask": (["train.loss=cispo", "train.correction=sequence_mask", "train.minibatches=2"],
+                            ["is/masked_seq_frac", "is/clip_frac_high"]),
     "opmd-length-norm": (["train.loss=opmd", "train.loss.length_norm=true", "train.agg=seq-mean-token-mean"],
                          ["opmd/residual_abs_mean"]),
     "reinforce_pp-kl-reward": (["train.advantage=reinforce_pp", "train.kl.coef=0.05", "train.kl.mode=reward",
@@ -30,7 +35,7 @@ CASES = {
 
 # Two cases run in the extended job only, keeping the default job within its time: the
 # unit tests of train_step cover their algorithms in-process.
-EXTENDED = {"ppo-naive-drgrpo-minibatches", "opmd-length-norm"}
+EXTENDED = {"ppo-naive-drgrpo-minibatches", "opmd-length-norm", "cispo-sequence-mask"}
 
 
 @pytest.mark.parametrize("choice", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c

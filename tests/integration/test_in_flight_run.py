@@ -14,6 +14,7 @@ def test_in_flight_run_has_mixed_version_samples(tmp_path, demo_model) -> None:
     train(run, demo_model, "sync.in_flight=true", "train.max_steps=40", "max_staleness=2", "learner.ranks=1",
           "actors.groups_per_request=8", "actors.temperature=3.0", "actors.max_new_tokens=64", "eval.every=0",
           "task.max_prompt_tokens=16",  # responses run past the demo model's 64 positions: allow it
+          "train.correction=geometric_mask",  # a sequence-level correction over responses of several versions
           timeout=120)
     steps, _ = read_metrics(run)
     assert [s["step"] for s in steps] == list(range(1, 41))
@@ -28,6 +29,7 @@ def test_in_flight_run_has_mixed_version_samples(tmp_path, demo_model) -> None:
         assert s["staleness/mean"] - s["actors/token_staleness_mean"] > 1e-9 if mixed else \
             s["staleness/mean"] == pytest.approx(s["actors/token_staleness_mean"])
     assert any(s["actors/mixed_version_frac"] > 0 for s in steps), [s["actors/mixed_version_frac"] for s in steps]
+    assert all(0.0 <= s["is/masked_seq_frac"] <= 1.0 for s in steps)
     # The groups still buffered at the end (real ExperienceGroups, from the final checkpoint).
     from async_rl.learner.checkpoint import BUFFER_FILE, read_groups
 

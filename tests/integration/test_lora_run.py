@@ -19,7 +19,8 @@ def test_a_lora_run_syncs_only_the_adapters_and_leaves_an_adapter(tmp_path, chat
 
     run = tmp_path / "run"
     train(run, chat_model, "task.name=word_problems", "model.lora.rank=4", "model.lora.merged_final=true",
-          "train.kl.coef=0.05", "actors.max_new_tokens=6", "train.max_steps=3", "learner.ranks=1", "eval.every=0")
+          "train.correction=m2po", "train.kl.coef=0.05", "actors.max_new_tokens=6", "train.max_steps=3",
+          "learner.ranks=1", "eval.every=0")
     steps, _ = read_metrics(run)
     # float64: the merged and the unmerged forward differ by the float32 rounding of the
     # merged weights alone, not by what the CPU's kernels make of two float32 paths.

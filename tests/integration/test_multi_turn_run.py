@@ -41,12 +41,14 @@ def test_a_run_trains_on_multi_turn_episodes_of_a_users_environment(tmp_path, ch
     # The random model samples "e" often: it ends a turn (actors.stop), so episodes go on.
     train(run, chat_model, "task.name=word_problems", f"env.name={env_file}:make", "env.max_turns=3",
           "env.max_tokens=40", "actors.max_new_tokens=6", "actors.stop=[e]", "train.advantage=grpo_process",
+          "train.loss=cispo", "train.correction=icepop",  # corrections read the policy's tokens only
           "train.max_steps=3", "learner.ranks=1", "eval.size=8", "eval.batch_size=8")
     steps, evals = read_metrics(run)
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert max(s["env/turns_max"] for s in steps) == 2 and all(s["env/policy_token_frac"] < 1 for s in steps)
     assert max(s["env/multi_turn_frac"] for s in steps) > 0
     assert all(math.isfinite(s["loss/total"]) and s["reward/errors"] == 0 for s in steps)
+    assert all(0.0 <= s["is/masked_frac"] <= 1.0 and s["is/ratio_max"] >= s["is/ratio_min"] for s in steps)
     assert evals and all(0.0 <= e["eval/reward_mean"] <= 1.0 for e in evals)
 
 

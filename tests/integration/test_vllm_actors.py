@@ -202,6 +202,7 @@ def test_a_multi_turn_run_with_vllm_actors(tmp_path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", "configs/demo.yaml", "actors.engine=vllm",
                            f"env.name={tmp_path / 'retry_env.py'}:make", "env.max_turns=2", "env.max_tokens=16",
+                           "train.loss=gspo", "train.correction=geometric_mask",
                            "train.max_steps=30", "eval.every=30", "checkpoint.every=0", f"run_dir={run_dir}"],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -221,6 +222,7 @@ def test_a_lora_run_with_vllm_actors_learns(tmp_path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", "configs/demo.yaml", "actors.engine=vllm",
                            "model.lora.rank=8", "train.lr=1e-3", "train.max_steps=30", "eval.every=30",
+                           "train.correction=sequence_is",
                            "checkpoint.every=0", f"run_dir={run_dir}"], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]

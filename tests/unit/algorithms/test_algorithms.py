@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from token_is_ppo import ppo_with_token_is
 
 from async_rl.algorithms.advantages import group_advantages, reinforce_pp_advantages, remax_advantages
 from async_rl.algorithms.aggregation import agg_denominator, aggregate
@@ -13,7 +14,6 @@ from async_rl.algorithms.importance import off_policy_figures
 from async_rl.algorithms.kl import kl_estimate
 from async_rl.algorithms.losses import LOSSES
 from async_rl.algorithms.opmd import opmd_loss
-from async_rl.algorithms.ppo import ppo_clip_loss
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 D = torch.float64
@@ -26,7 +26,7 @@ def t(x) -> torch.Tensor:
 def off_policy(prox, behav, mask) -> dict[str, float]:
     """The learner's is/ess and is/mismatch_kl of one batch."""
     _, figures = off_policy_figures(prox, behav, mask)
-    return {key: figure.value() for key, figure in figures.items()}
+    return {key: figures[key].value() for key in ("is/ess", "is/mismatch_kl")}
 
 
 # ---------------------------------------------------------------- random padded batches
@@ -268,7 +268,7 @@ def test_unknown_agg_raises():
         agg_denominator(torch.ones(1, 1), "token-max")
     z = torch.zeros(1, 1)
     with pytest.raises(ValueError):
-        ppo_clip_loss(z, z, z, torch.zeros(1), torch.ones(1, 1), agg="token-max")
+        ppo_with_token_is(z, z, z, torch.zeros(1), torch.ones(1, 1), agg="token-max")
 
 
 # ---------------------------------------------------------------- PPO
@@ -282,7 +282,7 @@ def test_ppo_naive_hand():
     # row0: min(1.5, 1.2) = 1.2 (clipped high), 0.7, 1.0 -> losses -1.2, -0.7, -1.0
     # row1: min(-0.5, -0.8) = -0.8 (clipped low), min(-1.3, -1.2) = -1.3 -> losses 0.8, 1.3
     # token-mean = (-1.2 - 0.7 - 1.0 + 0.8 + 1.3) / 5 = -0.16
-    loss, st = ppo_clip_loss(logp, behav, behav, t([1.0, -1.0]), mask, decoupled=False)
+    loss, st = ppo_with_token_is(logp, behav, behav, t([1.0, -1.0]), mask, decoupled=False)
     assert loss.item() == pytest.approx(-0.16)
     assert st["is/clip_frac"] == pytest.approx(0.4)
     assert st["is/clip_frac_low"] == pytest.approx(0.2) and st["is/clip_frac_high"] == pytest.approx(0.2)
@@ -299,7 +299,7 @@ def test_ppo_decoupled_hand_is_weights():
     behav = torch.zeros(1, 2, dtype=D)
     logp = prox.clone().requires_grad_()
     adv = t([[1.0, -2.0]])  # token-level advantages
-    loss, st = ppo_clip_loss(logp, prox, behav, adv, torch.ones(1, 2), is_cap=2.0)
+    loss, st = ppo_with_token_is(logp, prox, behav, adv, torch.ones(1, 2), is_cap=2.0)
     # loss = -(2*1 + 0.5*(-2)) / 2 = -0.5
     assert loss.item() == pytest.approx(-0.5)
     assert st["is/capped_frac"] == pytest.approx(0.5)
@@ -315,8 +315,8 @@ def test_ppo_decoupled_hand_is_weights():
 def test_ppo_zero_staleness_equals_standard_ppo():
     logp, _, _, mask, _, _, adv = random_batch(6)
     cur = logp.detach()
-    dec, st = ppo_clip_loss(logp, cur, cur, adv, mask, decoupled=True)
-    naive, _ = ppo_clip_loss(logp, cur, cur, adv, mask, decoupled=False)
+    dec, st = ppo_with_token_is(logp, cur, cur, adv, mask, decoupled=True)
+    naive, _ = ppo_with_token_is(logp, cur, cur, adv, mask, decoupled=False)
     # on-policy: r = 1, loss = -mean(A), gradient = -A / N (REINFORCE with PPO's first step)
     m = mask.bool()
     assert torch.allclose(dec, naive) and torch.allclose(dec, -adv[m].mean())
@@ -330,8 +330,8 @@ def test_ppo_zero_staleness_equals_standard_ppo():
 
 def test_ppo_decoupled_equals_naive_when_prox_is_behav():
     logp, prox, _, mask, _, _, adv = random_batch(7)
-    a, _ = ppo_clip_loss(logp, prox, prox, adv, mask, decoupled=True)
-    b, _ = ppo_clip_loss(logp, prox, prox, adv, mask, decoupled=False)
+    a, _ = ppo_with_token_is(logp, prox, prox, adv, mask, decoupled=True)
+    b, _ = ppo_with_token_is(logp, prox, prox, adv, mask, decoupled=False)
     assert torch.allclose(a, b)
 
 
@@ -339,9 +339,9 @@ def test_ppo_is_cap_truncates():
     # prox/behav = e^3 ~ 20: the weight is the cap, so loss scales linearly with it
     logp = torch.zeros(1, 2, dtype=D, requires_grad=True)
     prox, behav, mask = torch.zeros(1, 2, dtype=D), torch.full((1, 2), -3.0, dtype=D), torch.ones(1, 2)
-    l2, s2 = ppo_clip_loss(logp, prox, behav, t([1.0]), mask, is_cap=2.0)
-    l5, s5 = ppo_clip_loss(logp, prox, behav, t([1.0]), mask, is_cap=5.0)
-    l_inf, _ = ppo_clip_loss(logp, prox, behav, t([1.0]), mask, is_cap=float("inf"))
+    l2, s2 = ppo_with_token_is(logp, prox, behav, t([1.0]), mask, is_cap=2.0)
+    l5, s5 = ppo_with_token_is(logp, prox, behav, t([1.0]), mask, is_cap=5.0)
+    l_inf, _ = ppo_with_token_is(logp, prox, behav, t([1.0]), mask, is_cap=float("inf"))
     assert l2.item() == pytest.approx(-2.0) and l5.item() == pytest.approx(-5.0)
     assert l_inf.item() == pytest.approx(-math.exp(3.0))
     assert s2["is/capped_frac"] == 1.0 and s2["is/weight_mean"] == pytest.approx(2.0)
@@ -351,14 +351,14 @@ def test_ppo_asymmetric_eps():
     zero, mask = torch.zeros(1, 1, dtype=D), torch.ones(1, 1)
     up = t([[math.log(1.25)]]).requires_grad_()
     # A > 0, r = 1.25: clipped at 1.2 with eps_high=0.2, free with eps_high=0.28 (clip-higher)
-    l_a, s_a = ppo_clip_loss(up, zero, zero, t([1.0]), mask, eps_high=0.2, decoupled=False)
-    l_b, s_b = ppo_clip_loss(up, zero, zero, t([1.0]), mask, eps_high=0.28, decoupled=False)
+    l_a, s_a = ppo_with_token_is(up, zero, zero, t([1.0]), mask, eps_high=0.2, decoupled=False)
+    l_b, s_b = ppo_with_token_is(up, zero, zero, t([1.0]), mask, eps_high=0.28, decoupled=False)
     assert l_a.item() == pytest.approx(-1.2) and s_a["is/clip_frac_high"] == 1.0
     assert l_b.item() == pytest.approx(-1.25) and s_b["is/clip_frac"] == 0.0
     # A < 0, r = 0.75: eps_low=0.2 -> clipped at 0.8 (loss 0.8); eps_low=0.3 -> free (loss 0.75)
     down = t([[math.log(0.75)]])
-    l_c, s_c = ppo_clip_loss(down, zero, zero, t([-1.0]), mask, eps_low=0.2, eps_high=0.28, decoupled=False)
-    l_d, _ = ppo_clip_loss(down, zero, zero, t([-1.0]), mask, eps_low=0.3, decoupled=False)
+    l_c, s_c = ppo_with_token_is(down, zero, zero, t([-1.0]), mask, eps_low=0.2, eps_high=0.28, decoupled=False)
+    l_d, _ = ppo_with_token_is(down, zero, zero, t([-1.0]), mask, eps_low=0.3, decoupled=False)
     assert l_c.item() == pytest.approx(0.8) and s_c["is/clip_frac_low"] == 1.0
     assert l_d.item() == pytest.approx(0.75)
 
@@ -369,7 +369,7 @@ def test_ppo_matches_loop_reference(agg, decoupled):
     logp, prox, behav, mask, _, _, adv_tok = random_batch(8)
     for adv in (adv_tok, torch.tensor([1.0, -0.5, 2.0, -1.0, 0.3, 0.0, -2.0], dtype=D)):
         kw = dict(eps_low=0.2, eps_high=0.28, decoupled=decoupled)
-        loss, stats = ppo_clip_loss(logp, prox, behav, adv, mask, is_cap=1.5, agg=agg, **kw)
+        loss, stats = ppo_with_token_is(logp, prox, behav, adv, mask, is_cap=1.5, agg=agg, **kw)
         ref = ref_ppo(logp, prox, behav, adv, mask, 0.2, 0.28, 1.5, decoupled, agg)
         (g,) = torch.autograd.grad(loss, logp)
         (g_ref,) = torch.autograd.grad(ref, logp)

@@ -8,13 +8,19 @@ import math
 import pytest
 import torch
 
+from async_rl.algorithms.config import IcePopCorrection, TokenCorrection
 from async_rl.algorithms.corrections import (
+    correct,
     geometric_log_ratio,
     geometric_mask,
     icepop,
+    kl_rejection,
+    m2po,
     masked_shares,
+    no_correction,
     sequence_log_ratio,
     sequence_mask,
+    token_is,
     truncated_sequence_is,
 )
 
@@ -39,6 +45,18 @@ def test_truncated_sequence_is_weights_every_token_by_the_capped_product() -> No
     assert c.weights.dtype == torch.float64
     assert_values(c.weights, [[3.0, 3.0, 0.0], [0.5, 0.5, 0.0]])
     assert c.keep.tolist() == [[True, True, False], [True, True, False]]
+    assert c.truncated.tolist() == [[True, True, False], [False, False, False]]  # 4 was cut to 3
+
+
+def test_token_is_truncates_or_masks_each_token_over_the_cap() -> None:
+    c = token_is(LOG_RATIO, MASK, cap=1.5)  # token ratios 2, 2 | 1/2, 1
+    assert_values(c.weights, [[1.5, 1.5, 0.0], [0.5, 1.0, 0.0]])
+    assert c.truncated.tolist() == [[True, True, False], [False, False, False]]
+    c = token_is(LOG_RATIO, MASK, cap=1.5, mode="mask")
+    assert_values(c.weights, [[0.0, 0.0, 0.0], [0.5, 1.0, 0.0]])
+    assert c.keep.tolist() == [[False, False, False], [True, True, False]] and not c.truncated.any()
+    none = no_correction(LOG_RATIO, MASK)
+    assert none.weights.tolist() == [[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]] and none.keep.tolist() == MASK.bool().tolist()
 
 
 def test_a_product_past_float64_is_capped_not_infinite() -> None:
@@ -75,3 +93,46 @@ def test_masked_shares_count_tokens_and_responses() -> None:
 def test_bounds_that_select_nothing_sensible_are_refused(low, high) -> None:
     with pytest.raises(ValueError, match="0 < low <= high"):
         sequence_mask(LOG_RATIO, MASK, low, high)
+
+
+def test_m2po_masks_the_largest_squared_log_ratios_until_the_mean_is_under_the_threshold() -> None:
+    # d^2 = 0.01, 0.09, 0.25, 0: the kept prefix of the sorted squares has means 0, 0.005, 0.0333, 0.0875
+    d = torch.tensor([[0.1, -0.3, 0.5, 0.0, 9.0]], dtype=torch.float64)  # the pad's 9 counts nowhere
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    assert m2po(d, mask, 0.04).keep.tolist() == [[True, True, False, True, False]]
+    assert m2po(d, mask, 0.03).keep.tolist() == [[True, False, False, True, False]]
+    assert m2po(d, mask, 0.1).keep.tolist() == [[True, True, True, True, False]]  # M2 = 0.0875 < 0.1
+    # strictly below, as AReaL: an M2 equal to the threshold is masked down
+    assert m2po(torch.tensor([[0.2, 0.2]], dtype=torch.float64), torch.ones(1, 2), 0.04).keep.sum() == 0
+    # kept tokens weigh 1; the second moment of the kept tokens is under the threshold
+    c = m2po(d, mask, 0.04)
+    assert_values(c.weights, [[1.0, 1.0, 0.0, 1.0, 0.0]])
+    assert float(d[c.keep].square().mean()) < 0.04
+
+
+def test_kl_rejection_by_token_and_by_response() -> None:
+    # response 0: r = 2 and 1, so k3 = 2 - 1 - ln 2 = 0.3069 and 0, k1 = -ln 2 and 0; response 1: r = 1, 1
+    d = torch.tensor([[math.log(2.0), 0.0], [0.0, 0.0]], dtype=torch.float64)
+    mask = torch.ones(2, 2)
+    assert kl_rejection(d, mask, "k3", "token", 0.3).keep.tolist() == [[False, True], [True, True]]
+    assert kl_rejection(d, mask, "k3", "token", 0.31).keep.all()
+    # sequence mean k3 = 0.1534
+    assert kl_rejection(d, mask, "k3", "sequence", 0.2).keep.all()
+    assert kl_rejection(d, mask, "k3", "sequence", 0.15).keep.tolist() == [[False, False], [True, True]]
+    # k1 is bounded on both sides: |mean k1| = ln(2) / 2 = 0.3466
+    assert kl_rejection(d, mask, "k1", "sequence", 0.34).keep.tolist() == [[False, False], [True, True]]
+    assert kl_rejection(-d, mask, "k1", "sequence", 0.34).keep.tolist() == [[False, False], [True, True]]
+    assert kl_rejection(d, mask, "k1", "sequence", 0.35).keep.all()
+    with pytest.raises(ValueError, match="estimator"):
+        kl_rejection(d, mask, "k2", "token", 0.1)
+
+
+def test_correct_reads_the_config_and_clamps_each_log_ratio_first() -> None:
+    prox = torch.tensor([[0.0, 0.0, float("nan")]], dtype=torch.float64)  # the pad is garbage
+    behav = torch.tensor([[-math.log(3.0), -50.0, float("inf")]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0]])
+    c = correct(TokenCorrection(cap=float("inf")), prox, behav, mask)
+    assert_values(c.weights, [[3.0, math.exp(20.0), 0.0]])  # +-20, as verl's SAFETY_BOUND
+    c = correct(IcePopCorrection(low=0.5, high=5.0), prox, behav, mask)
+    assert c.keep.tolist() == [[True, False, False]]
+    assert_values(c.weights, [[3.0, 0.0, 0.0]])

@@ -8,6 +8,7 @@ import torch
 from reference_formulas import AGGS, D, batch, close
 
 from async_rl.algorithms.aggregation import aggregate
+from async_rl.algorithms.corrections import correct
 from async_rl.algorithms.gae import value_loss
 from async_rl.algorithms.losses import LOSSES, LossInputs
 from async_rl.algorithms.normalization import Shares, Units, backward_share, global_units
@@ -37,7 +38,8 @@ def test_shares_add_up_to_the_minibatch_mean(agg, loss):
 
     def terms(rows) -> torch.Tensor:
         out = policy_loss(LossInputs(x.logp[rows], x.prox[rows], x.behav[rows], x.adv_seq[rows], x.mask[rows],
-                                     x.rewards[rows], x.group[rows], train.loss, train.agg))
+                                     x.rewards[rows], x.group[rows], train.loss, train.agg,
+                                     correct(train.correction, x.prox[rows], x.behav[rows], x.mask[rows])))
         vloss, _ = value_loss(x.values[rows], x.old_values[rows], x.returns[rows], x.mask[rows])
         return torch.stack([out.loss, aggregate(x.kl[rows], x.mask[rows], agg), vloss]).detach()
 

@@ -32,11 +32,11 @@ from reference_formulas import (
     resp,
     t,
 )
+from token_is_ppo import ppo_with_token_is
 
 from async_rl.algorithms.importance import off_policy_figures
 from async_rl.algorithms.losses import LOSSES
 from async_rl.algorithms.opmd import opmd_loss
-from async_rl.algorithms.ppo import ppo_clip_loss
 
 # ============================================================== PPO
 
@@ -51,7 +51,7 @@ def check_ppo_stats(got: dict, ref: dict):
 def off_policy(prox, behav, mask) -> dict[str, float]:
     """The learner's is/ess and is/mismatch_kl of one batch (whatever the loss)."""
     _, figures = off_policy_figures(prox, behav, mask)
-    return {key: figure.value() for key, figure in figures.items()}
+    return {key: figures[key].value() for key in ("is/ess", "is/mismatch_kl")}
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -66,7 +66,7 @@ def test_ppo_matches_reference(agg, decoupled, dual_clip, adv_kind, is_mode):
         adv = x.adv_seq if adv_kind == "seq" else x.adv_tok
         kw = dict(eps_low=0.15, eps_high=0.28, is_cap=1.5, decoupled=decoupled, agg=agg, dual_clip=dual_clip,
                   is_mode=is_mode)
-        loss, stats = ppo_clip_loss(x.logp, x.prox, x.behav, adv, x.mask, **kw)
+        loss, stats = ppo_with_token_is(x.logp, x.prox, x.behav, adv, x.mask, **kw)
         ref_loss, ref_grad, ref_stats = ref_ppo(x.logp, x.prox, x.behav, adv, x.mask, **kw)
         close(loss, ref_loss)
         close(grad_of(loss, x.logp), ref_grad)  # includes exact 0 on padding
@@ -94,7 +94,7 @@ def test_ppo_decoupled_hand(agg):
     prox = garbage_pad(torch.zeros(3, 3, dtype=D), mask)
     logp.requires_grad_()
     adv = t([1.0, -2.0, NAN])
-    loss, st = ppo_clip_loss(logp, prox, behav, adv, mask, eps_low=0.15, eps_high=0.2, is_cap=2.0, agg=agg)
+    loss, st = ppo_with_token_is(logp, prox, behav, adv, mask, eps_low=0.15, eps_high=0.2, is_cap=2.0, agg=agg)
     row0, row1 = -2.4 - 0.35 - 1.1, 2.55  # -3.85, 2.55
     g_row0 = t([0.0, -0.35, -1.1])
     if agg == "token-mean":  # (-3.85 + 2.55) / 4 = -0.325
@@ -128,18 +128,18 @@ def test_ppo_dual_clip_hand():
     zero, mask = torch.zeros(1, 4, dtype=D), torch.ones(1, 4)
     logp = t([[math.log(4.0), math.log(2.0), math.log(0.5), math.log(5.0)]]).requires_grad_()
     adv = t([[-1.0, -1.0, -1.0, 1.0]])
-    loss, st = ppo_clip_loss(logp, zero, zero, adv, mask, decoupled=False, dual_clip=3.0)
+    loss, st = ppo_with_token_is(logp, zero, zero, adv, mask, decoupled=False, dual_clip=3.0)
     close(loss, 1.15)
     close(grad_of(loss, logp), [[0.0, 0.5, 0.0, 0.0]])
     assert st["is/dual_clip_frac"] == pytest.approx(0.25)
     assert st["is/clip_frac"] == pytest.approx(0.5)
     assert st["is/clip_frac_low"] == pytest.approx(0.25) and st["is/clip_frac_high"] == pytest.approx(0.25)
-    loss, st = ppo_clip_loss(logp, zero, zero, adv, mask, decoupled=False)
+    loss, st = ppo_with_token_is(logp, zero, zero, adv, mask, decoupled=False)
     close(loss, 1.4)
     close(grad_of(loss, logp), [[1.0, 0.5, 0.0, 0.0]])
     assert st["is/dual_clip_frac"] == 0.0
     # decoupled with w = 2 on every token (prox - behav = ln 2, cap 3): every loss doubles
-    loss, _ = ppo_clip_loss(logp, zero, zero - math.log(2.0), adv, mask, is_cap=3.0, dual_clip=3.0)
+    loss, _ = ppo_with_token_is(logp, zero, zero - math.log(2.0), adv, mask, is_cap=3.0, dual_clip=3.0)
     close(loss, 2.3)
     close(grad_of(loss, logp), [[0.0, 1.0, 0.0, 0.0]])
 
@@ -158,7 +158,7 @@ def test_ppo_is_mode_hand(agg, is_mode):
     behav = t([[-math.log(3.0), -math.log(0.5), -math.log(1.5)]])
     prox = torch.zeros(1, 3, dtype=D)
     adv = t([[1.0, 1.0, -1.0]])
-    loss, st = ppo_clip_loss(logp, prox, behav, adv, mask, is_cap=2.0, agg=agg, is_mode=is_mode)
+    loss, st = ppo_with_token_is(logp, prox, behav, adv, mask, is_cap=2.0, agg=agg, is_mode=is_mode)
     token_loss = [-2.2, -0.45, 1.5] if is_mode == "truncate" else [0.0, -0.45, 1.5]
     token_grad = [-2.2, -0.45, 1.5] if is_mode == "truncate" else [0.0, -0.45, 1.5]
     denom = 1.0 if agg == "seq-mean-token-sum" else 3.0
@@ -169,15 +169,15 @@ def test_ppo_is_mode_hand(agg, is_mode):
     # The logged ESS is of the raw weights 3, 0.5, 1.5, the same in both modes
     check_ppo_stats(off_policy(prox, behav, mask), {"is/ess": 5 ** 2 / (3 * 11.5)})
     # naive PPO has no importance weight: the mode changes nothing
-    naive_t, _ = ppo_clip_loss(logp, prox, behav, adv, mask, agg=agg, decoupled=False)
-    naive_m, _ = ppo_clip_loss(logp, prox, behav, adv, mask, agg=agg, decoupled=False, is_mode="mask")
+    naive_t, _ = ppo_with_token_is(logp, prox, behav, adv, mask, agg=agg, decoupled=False)
+    naive_m, _ = ppo_with_token_is(logp, prox, behav, adv, mask, agg=agg, decoupled=False, is_mode="mask")
     close(naive_m, naive_t.detach())
 
 
-def test_ppo_is_mode_must_be_known():
+def test_token_correction_mode_must_be_known():
     z = torch.zeros(1, 1, dtype=D)
-    with pytest.raises(ValueError, match="is_mode"):
-        ppo_clip_loss(z, z, z, torch.zeros(1, dtype=D), torch.ones(1, 1), is_mode="drop")
+    with pytest.raises(ValueError, match="unknown mode"):
+        ppo_with_token_is(z, z, z, torch.zeros(1, dtype=D), torch.ones(1, 1), is_mode="drop")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, D])
@@ -191,7 +191,7 @@ def test_ppo_log_ratio_clamp_hand(dtype):
     logp = torch.tensor([[50.0, -50.0, math.log(1.1)]], dtype=dtype, requires_grad=True)
     zero = torch.zeros(1, 3, dtype=dtype)
     adv = torch.tensor([[-1.0, 1.0, 1.0]], dtype=dtype)
-    loss, st = ppo_clip_loss(logp, zero, zero, adv, mask, decoupled=False)
+    loss, st = ppo_with_token_is(logp, zero, zero, adv, mask, decoupled=False)
     # A few roundings in the dtype: exp (within an ulp, by the CPU's vector library), a
     # sum of three, a division.
     rounding = 8 * torch.finfo(dtype).eps
@@ -202,30 +202,31 @@ def test_ppo_log_ratio_clamp_hand(dtype):
     assert st["is/ratio_mean"] == pytest.approx((math.exp(20) + math.exp(-20) + 1.1) / 3, rel=rounding)
     # float32 exp(100) = inf: only the clamp keeps the loss and the gradient finite
     far = torch.tensor([[100.0, -100.0, 0.0]], dtype=dtype, requires_grad=True)
-    loss, _ = ppo_clip_loss(far, zero, zero, adv, mask, decoupled=False)
+    loss, _ = ppo_with_token_is(far, zero, zero, adv, mask, decoupled=False)
     assert torch.isfinite(loss) and torch.isfinite(grad_of(loss, far)).all()
-    # decoupled: the proximal/behavior log-ratio is clamped too (w = e^5 with an infinite cap)
+    # decoupled: the correction clamps the proximal/behavior log-ratio to +-20 whatever the
+    # loss's clamp (w = e^20 with an infinite cap)
     logp0 = torch.zeros(1, 1, dtype=dtype, requires_grad=True)
     prox, behav = torch.zeros(1, 1, dtype=dtype), torch.full((1, 1), -50.0, dtype=dtype)
-    loss, st = ppo_clip_loss(logp0, prox, behav, torch.ones(1, dtype=dtype), torch.ones(1, 1),
-                             is_cap=float("inf"), log_ratio_clamp=5.0)
-    assert loss.item() == pytest.approx(-math.exp(5), rel=rounding)
-    assert st["is/weight_mean"] == pytest.approx(math.exp(5), rel=rounding)
-    torch.testing.assert_close(grad_of(loss, logp0), torch.tensor([[-math.exp(5)]], dtype=dtype))
+    loss, st = ppo_with_token_is(logp0, prox, behav, torch.ones(1, dtype=dtype), torch.ones(1, 1),
+                                 is_cap=float("inf"), log_ratio_clamp=5.0)
+    assert loss.item() == pytest.approx(-math.exp(20), rel=rounding)
+    assert st["is/weight_mean"] == pytest.approx(math.exp(20), rel=rounding)
+    torch.testing.assert_close(grad_of(loss, logp0), torch.tensor([[-math.exp(20)]], dtype=dtype))
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0])
 def test_ppo_log_ratio_clamp_must_be_positive(bad):
     z = torch.zeros(1, 1, dtype=D)
     with pytest.raises(ValueError, match="log_ratio_clamp"):
-        ppo_clip_loss(z, z, z, torch.zeros(1, dtype=D), torch.ones(1, 1), log_ratio_clamp=bad)
+        ppo_with_token_is(z, z, z, torch.zeros(1, dtype=D), torch.ones(1, 1), log_ratio_clamp=bad)
 
 
 @pytest.mark.parametrize("bad", [1.0, 0.5, -2.0])
 def test_ppo_dual_clip_must_exceed_one(bad):
     z = torch.zeros(1, 1, dtype=D)
     with pytest.raises(ValueError, match="dual_clip"):
-        ppo_clip_loss(z, z, z, torch.zeros(1, dtype=D), torch.ones(1, 1), dual_clip=bad)
+        ppo_with_token_is(z, z, z, torch.zeros(1, dtype=D), torch.ones(1, 1), dual_clip=bad)
 
 
 @pytest.mark.parametrize("agg", AGGS)
@@ -236,8 +237,8 @@ def test_ppo_zero_staleness_decoupled_equals_standard_ppo(agg, dual_clip):
     x = batch(2)
     # is_cap = 1 = the raw weight: "capped" means raw > cap strictly, so capped_frac stays 0
     kw = dict(eps_low=0.15, eps_high=0.28, is_cap=1.0, agg=agg, dual_clip=dual_clip)
-    dec, st = ppo_clip_loss(x.logp, x.prox, x.prox, x.adv_tok, x.mask, decoupled=True, **kw)
-    naive, _ = ppo_clip_loss(x.logp, x.prox, x.prox, x.adv_tok, x.mask, decoupled=False, **kw)
+    dec, st = ppo_with_token_is(x.logp, x.prox, x.prox, x.adv_tok, x.mask, decoupled=True, **kw)
+    naive, _ = ppo_with_token_is(x.logp, x.prox, x.prox, x.adv_tok, x.mask, decoupled=False, **kw)
     g_dec = grad_of(dec, x.logp)
     close(dec, naive)
     close(g_dec, grad_of(naive, x.logp))
@@ -255,7 +256,7 @@ def test_ppo_one_step_decoupled_is_weighted_policy_gradient(agg, adv_kind):
     # logp_prox = logp.detach(), stale behav: r = 1, no clipping, gradient = -c_bt * w * A (d r / d logp = 1)
     x = batch(3)
     adv = x.adv_seq if adv_kind == "seq" else x.adv_tok
-    loss, st = ppo_clip_loss(x.logp, x.logp.detach(), x.behav, adv, x.mask, is_cap=1.5, agg=agg, dual_clip=2.0)
+    loss, st = ppo_with_token_is(x.logp, x.logp.detach(), x.behav, adv, x.mask, is_cap=1.5, agg=agg, dual_clip=2.0)
     expected_grad, expected_loss = torch.zeros_like(x.prox), 0.0
     for (b, s), c in agg_coef(x.mask, agg).items():
         w = min(math.exp(float(x.logp.detach()[b, s]) - float(x.behav[b, s])), 1.5)
@@ -273,7 +274,7 @@ def test_ppo_all_padding_batch(decoupled):
     mask = torch.zeros(2, 3)
     logp = garbage_pad(torch.zeros(2, 3, dtype=D), mask).requires_grad_()
     junk = garbage_pad(torch.zeros(2, 3, dtype=D), mask)
-    loss, st = ppo_clip_loss(logp, junk, junk, t([NAN, INF]), mask, decoupled=decoupled, dual_clip=2.0)
+    loss, st = ppo_with_token_is(logp, junk, junk, t([NAN, INF]), mask, decoupled=decoupled, dual_clip=2.0)
     assert loss.item() == 0.0
     close(grad_of(loss, logp), torch.zeros(2, 3))
     assert all(math.isfinite(v) for v in st.values())

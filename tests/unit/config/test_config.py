@@ -24,7 +24,7 @@ def test_yaml_round_trip(config):
 @pytest.mark.parametrize("override, key", [
     ("train.batchgroups=3", "train.batchgroups: unknown key"),
     ("train.batch_groups=abc", "train.batch_groups:"),
-    ("train.loss=dpo", "train.loss.name: 'dpo' is not one of ppo, opmd"),
+    ("train.loss=dpo", "train.loss.name: 'dpo' is not one of ppo, gspo, cispo, opmd"),
     ("max_staleness=-1", "max_staleness:"),
     ("sync.every=9", "sync.every:"),
     ("learner.ranks=2 train.batch_groups=63", "train.batch_groups: must be a multiple"),
@@ -35,7 +35,12 @@ def test_yaml_round_trip(config):
     ("task.name=reasoning_gym task.dataset=leg_counting task.reward=exact_match",
      "task.reward: unknown key for task.name=reasoning_gym"),
     ("nonsense", "nonsense:"),
-    ("train.loss.is_mode=drop", "train.loss.is_mode:"),
+    ("train.correction.mode=drop", "train.correction.mode:"),
+    ("train.loss.is_mode=mask", "train.loss.is_mode: moved to train.correction.mode"),
+    ("train.correction=icepop train.correction.high=0.5", "train.correction.high:"),
+    ("train.correction=m2po train.correction.cap=2",
+     "train.correction.cap: unknown key for train.correction.name=m2po"),
+    ("train.loss.decoupled=false train.correction=icepop", "train.correction: icepop corrects toward"),
     ("train.loss.log_ratio_clamp=0", "train.loss.log_ratio_clamp:"),
     ("train.loss=opmd train.loss.eps_low=0.1", "train.loss.eps_low: unknown key for train.loss.name=opmd"),
     ("train.kl.clamp=-1", "train.kl.clamp:"),
@@ -104,27 +109,33 @@ def test_algorithm_choices_are_the_registries():
 
     from async_rl.algorithms.advantages import ADVANTAGES
     from async_rl.algorithms.aggregation import AGG_MODES
-    from async_rl.algorithms.config import ADVANTAGE_VARIANTS, LOSS_VARIANTS
+    from async_rl.algorithms.config import ADVANTAGE_VARIANTS, CORRECTION_VARIANTS, LOSS_VARIANTS
+    from async_rl.algorithms.corrections import CORRECTIONS
     from async_rl.algorithms.losses import LOSSES
     from async_rl.config.section import variant_names
 
     assert sorted(n for v in LOSS_VARIANTS for n in variant_names(v)) == sorted(LOSSES)
+    assert sorted(n for v in CORRECTION_VARIANTS for n in variant_names(v)) == sorted(CORRECTIONS)
     assert sorted(n for v in ADVANTAGE_VARIANTS for n in variant_names(v)) == sorted(ADVANTAGES)
     assert get_args(type(load_config(None).train).model_fields["agg"].annotation) == AGG_MODES
     for loss in LOSSES:
         for advantage in ADVANTAGES:
-            if loss == "ppo" or advantage not in ("remax", "gae"):
+            if loss != "opmd" or advantage not in ("remax", "gae"):
                 cfg = load_config(None, [f"train.loss={loss}", f"train.advantage={advantage}"])
                 assert (cfg.train.loss.name, cfg.train.advantage.name) == (loss, advantage)
 
 
-def test_clamp_and_is_mode_defaults_and_overrides():
+def test_clamp_and_correction_defaults_and_overrides():
     cfg = load_config(None)
-    assert cfg.train.loss.is_mode == "truncate" and cfg.train.loss.log_ratio_clamp == 20.0
-    assert cfg.train.kl.clamp == 10.0
-    cfg = load_config(ROOT / "configs/demo.yaml", ["train.kl.clamp=null", "train.loss.is_mode=mask",
+    assert cfg.train.correction.name == "token" and cfg.train.correction.mode == "truncate"
+    assert cfg.train.loss.log_ratio_clamp == 20.0 and cfg.train.kl.clamp == 10.0
+    cfg = load_config(ROOT / "configs/demo.yaml", ["train.kl.clamp=null", "train.correction.mode=mask",
                                                    "train.loss.log_ratio_clamp=5"])
-    assert cfg.train.kl.clamp is None and cfg.train.loss.is_mode == "mask" and cfg.train.loss.log_ratio_clamp == 5.0
+    assert cfg.train.kl.clamp is None and cfg.train.correction.mode == "mask" and cfg.train.loss.log_ratio_clamp == 5.0
+    # OPMD's reference is the sampler's log-probs: no correction unless one is named
+    assert load_config(None, ["train.loss=opmd"]).train.correction.name == "none"
+    assert load_config(None, ["train.loss=opmd", "train.correction=icepop"]).train.correction.name == "icepop"
+    assert load_config(None, ["train.loss=gspo"]).train.correction.name == "token"
 
 
 def test_importing_the_config_imports_no_torch():

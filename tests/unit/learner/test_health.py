@@ -41,3 +41,14 @@ def test_zero_variance_names_truncation_or_a_constant_reward():
     (msg,) = health.check(*batch([1, 1, 0, 0], [3] * 4), group_size=2)  # equal within each group
     assert "every sample scores 0.5" in msg
 
+
+
+def test_mismatch_warns_when_it_passes_the_threshold_and_again_when_it_doubles(caplog):
+    health = RunHealth(10, True, 64, mismatch_threshold=0.01)
+    assert health.check_mismatch(1, {"is/mismatch_kl": 0.009}) is None
+    first = health.check_mismatch(2, {"is/mismatch_kl": 0.012, "is/ratio_max": 40.0, "is/masked_frac": 0.03})
+    assert first.startswith("step 2: mismatch KL") and "0.012" in first and "ratio max 40" in first
+    assert "3.0% of tokens masked" in first and "\n" not in first and first in caplog.text
+    assert health.check_mismatch(3, {"is/mismatch_kl": 0.02}) is None  # not yet twice 0.012
+    assert health.check_mismatch(4, {"is/mismatch_kl": 0.03}).startswith("step 4")
+    assert RunHealth(10, True, 64, mismatch_threshold=None).check_mismatch(1, {"is/mismatch_kl": 9.0}) is None

@@ -30,7 +30,7 @@ def _trained(model_dir, one_rank_mesh, attention):
                         "train": {"batch_groups": 4, "group_size": 4, "lr": 0.01},
                         "learner": {"ranks": 1, "micro_batch_size": 4, "attention": attention}})
     models = build_models(cfg, torch.device("cpu"), one_rank_mesh)
-    stats = [train_step(cfg, models, build_batch(synthetic_groups(4, 4, seed=seed), pad_id=0), [])
+    stats = [train_step(cfg, models, build_batch(synthetic_groups(4, 4, seed=seed), pad_id=0), {})
              for seed in (1, 2)]
     return cfg, models, stats
 

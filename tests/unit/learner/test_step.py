@@ -20,13 +20,19 @@ from async_rl.models.critic import ValueModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+DISTRIBUTION = {f"{prefix}_{stat}" for prefix in ("is/ratio", "is/seq_log_ratio")
+                for stat in ("min", "q01", "q50", "q99", "max")}
 EVERY_STEP = {"loss/policy", "loss/total", "learner/grad_norm", "learner/skipped_steps", "policy/entropy", "is/ess",
-              "is/mismatch_kl", "is/clip_frac", "is/clip_frac_low", "is/clip_frac_high", "is/dual_clip_frac",
-              "is/capped_frac", "train/zero_adv_group_frac"}
-PPO = {"is/weight_mean", "is/ratio_mean"}
+              "is/mismatch_kl", "is/mismatch_k1", "is/clip_frac", "is/clip_frac_low", "is/clip_frac_high",
+              "is/dual_clip_frac", "is/masked_frac", "is/masked_seq_frac", "is/truncated_frac", "is/weight_mean",
+              "train/zero_adv_group_frac", *DISTRIBUTION}
+PPO = {"is/ratio_mean"}
 # name: (train section, keys beyond EVERY_STEP)
 VARIANTS = {
     "ppo": ({}, PPO),
+    "ppo-m2po": ({"correction": "m2po"}, PPO),
+    "gspo-geometric-mask": ({"loss": "gspo", "correction": "geometric_mask"}, PPO),
+    "cispo-icepop-minibatches": ({"loss": "cispo", "correction": "icepop", "minibatches": 2}, PPO),
     "ppo-kl-loss-entropy-minibatches": ({"minibatches": 2, "entropy_coef": 0.01, "kl": {"coef": 0.1}},
                                         PPO | {"policy/kl_ref", "loss/kl", "loss/entropy"}),
     "opmd-kl-reward": ({"loss": "opmd", "kl": {"coef": 0.1, "mode": "reward"}},
@@ -61,14 +67,18 @@ def test_step_logs_the_algorithms_diagnostics(world, model_dir, variant):
         models.critic_optimizer = torch.optim.SGD(models.critic.parameters(), lr=0.1)
     batch = build_batch(synthetic_groups(4, 4, seed=1), pad_id=0)
     before = copy.deepcopy(batch)
-    is_weights: list[torch.Tensor] = []
+    histograms: dict[str, list[torch.Tensor]] = {}
 
-    stats = train_step(cfg, models, batch, is_weights)
+    stats = train_step(cfg, models, batch, histograms)
 
     assert stats.keys() == EVERY_STEP | extra
     assert all(torch.isfinite(torch.tensor(v)) for v in stats.values()) and stats["learner/skipped_steps"] == 0
-    w = torch.cat(is_weights)  # raw weights of every response token, float64
+    w = torch.cat(histograms["is/weight"])  # raw weights of every response token, float64
     assert w.dtype == torch.float64 and w.numel() == int(batch.loss_mask.sum())
+    sequences = torch.cat(histograms["is/seq_log_ratio"])  # one per non-empty response
+    assert sequences.numel() == int(batch.loss_mask.any(-1).sum())
+    assert stats["is/seq_log_ratio_max"] == pytest.approx(float(sequences.max()), rel=1e-12)
+    assert stats["is/ratio_max"] == pytest.approx(float(w.max()), rel=1e-12)
     # float64 sums of the same positive weights in other orders: each within (n - 1)
     # float64 epsilons of the exact sum, the ratio within a few times that.
     ess_rounding = 8 * w.numel() * torch.finfo(torch.float64).eps
@@ -194,8 +204,8 @@ def test_skipping_is_off_where_a_flat_group_still_has_a_gradient(world, model_di
     cfg = build_config({"train": {"batch_groups": 4, "group_size": 4, "entropy_coef": 0.01},
                         "learner": {"ranks": 1, "micro_batch_size": 4}})
     policy = LlamaForCausalLM.from_pretrained(model_dir)
-    is_weights: list[torch.Tensor] = []
+    histograms: dict[str, list[torch.Tensor]] = {}
     batch = _flat_groups_batch([0, 1])
-    stats = train_step(cfg, Models(policy, torch.optim.SGD(policy.parameters(), lr=0.1)), batch, is_weights)
+    stats = train_step(cfg, Models(policy, torch.optim.SGD(policy.parameters(), lr=0.1)), batch, histograms)
     assert stats["train/zero_adv_group_frac"] == 0.5
-    assert sum(w.numel() for w in is_weights) == int(batch.loss_mask.sum())  # every token was scored
+    assert sum(w.numel() for w in histograms["is/weight"]) == int(batch.loss_mask.sum())  # every token was scored

@@ -37,7 +37,7 @@ def _params(models):
 
 
 def _step(cfg, models, seed):
-    return train_step(cfg, models, build_batch(synthetic_groups(4, 4, seed=seed), pad_id=0), [])
+    return train_step(cfg, models, build_batch(synthetic_groups(4, 4, seed=seed), pad_id=0), {})
 
 
 def test_only_the_adapters_train_against_the_base_as_reference(one_rank_mesh, model_dir):
