@@ -1,4 +1,5 @@
-"""Staleness sweep: held-out accuracy of the CPU demo against max_staleness, per loss.
+"""Staleness sweep: held-out accuracy of the CPU demo against max_staleness, per loss
+or off-policy correction.
 
     python analysis/staleness_sweep.py [--staleness 0 1 2 4 8] [--losses decoupled naive opmd]
                                        [--steps 600] [--out runs/staleness-sweep] [--set key=value ...]
@@ -9,6 +10,8 @@ another as real subprocesses, all from the same warm-started base model and seed
     decoupled   train.loss=ppo train.loss.decoupled=true   (proximal policy + capped IS weight)
     naive       train.loss=ppo train.loss.decoupled=false  (PPO ratio against the behavior policy)
     opmd        train.loss=opmd                           (off-policy mirror descent squared loss)
+    geometric_mask, m2po, icepop, sequence_is
+                decoupled PPO with that train.correction instead of the token-level one
 
 Each run goes to OUT/<loss>-s<max_staleness>; a run directory that already holds a
 finished run is skipped, so an interrupted sweep continues where it stopped. The
@@ -36,6 +39,8 @@ LOSSES = {
     "decoupled": ["train.loss=ppo", "train.loss.decoupled=true"],
     "naive": ["train.loss=ppo", "train.loss.decoupled=false"],
     "opmd": ["train.loss=opmd"],
+    **{correction: ["train.loss=ppo", f"train.correction={correction}"]
+       for correction in ("geometric_mask", "m2po", "icepop", "sequence_is")},
 }
 RUN_NAME = re.compile(r"^(" + "|".join(LOSSES) + r")-s(\d+)$")
 
@@ -193,7 +198,8 @@ def plot(path: Path, etas: list[int], losses: list[str], results: dict, target: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4, 8], help="max_staleness values")
-    parser.add_argument("--losses", nargs="+", choices=list(LOSSES), default=list(LOSSES), help="loss variants")
+    parser.add_argument("--losses", nargs="+", choices=list(LOSSES), default=["decoupled", "naive", "opmd"],
+                        help="loss or correction variants")
     parser.add_argument("--seed", type=int, default=0, help="seed of every run (and of the demo base model)")
     # ~0.17 s/step async, ~0.25 s/step at max_staleness 0, ~15 s startup: 15 runs of 600 steps take ~35 min on 2 cores.
     parser.add_argument("--steps", type=int, default=600, help="train.max_steps of every run")

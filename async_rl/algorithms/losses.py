@@ -68,10 +68,17 @@ def _token_means(loss: torch.Tensor, stats: dict[str, float], mask: torch.Tensor
     return LossOutput(loss, {key: Mean.of(value, tokens) for key, value in stats.items()})
 
 
-class PPOClip:
+class AggMean:
+    """A loss that is a `train.agg` mean of its token terms."""
+
+    def units(self, mask: torch.Tensor, group: torch.Tensor, agg: str) -> float:
+        return agg_denominator(mask, agg)
+
+
+class PPOClip(AggMean):
     """Decoupled PPO-clip (AReaL) or naive PPO-clip (ppo.py): a `train.agg` mean. Naive
-    PPO's ratio is to the behavior policy, so no correction applies (the config refuses
-    any but `token` and `none`)."""
+    PPO's ratio is to the behavior policy, so no correction applies (its config's
+    correction is `none`)."""
 
     def __call__(self, x: LossInputs) -> LossOutput:
         p = x.config
@@ -80,9 +87,6 @@ class PPOClip:
                                     eps_high=p.eps_high, agg=x.agg, dual_clip=p.dual_clip,
                                     log_ratio_clamp=p.log_ratio_clamp)
         return _token_means(loss, stats, x.mask)
-
-    def units(self, mask: torch.Tensor, group: torch.Tensor, agg: str) -> float:
-        return agg_denominator(mask, agg)
 
 
 class GSPO:
@@ -99,7 +103,7 @@ class GSPO:
         return agg_denominator(mask, gspo.AGG)
 
 
-class CISPO:
+class CISPO(AggMean):
     """CISPO's clipped stop-gradient weight (cispo.py): a `train.agg` mean."""
 
     def __call__(self, x: LossInputs) -> LossOutput:
@@ -108,9 +112,6 @@ class CISPO:
                                  eps_low=c.eps_low, eps_high=c.eps_high, agg=x.agg,
                                  log_ratio_clamp=c.log_ratio_clamp)
         return _token_means(loss, stats, x.mask)
-
-    def units(self, mask: torch.Tensor, group: torch.Tensor, agg: str) -> float:
-        return agg_denominator(mask, agg)
 
 
 class OPMD:

@@ -74,7 +74,7 @@ def _advantage_for_the_loss(cfg: Config) -> str | None:
 
 def _correction_for_the_loss(cfg: Config) -> str | None:
     loss, correction = cfg.train.loss, cfg.train.correction.name
-    if loss.name == "ppo" and not loss.decoupled and correction not in ("token", "none"):
+    if loss.name == "ppo" and not loss.decoupled and correction != "none":
         return (f"train.correction: {correction} corrects toward the proximal policy, which naive PPO "
                 "(train.loss.decoupled=false) does not have; use decoupled PPO or train.correction=none")
     return None

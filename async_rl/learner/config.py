@@ -55,7 +55,7 @@ class TrainConfig(Section):
     batch_groups: int = Field(64, ge=1, description="Prompt groups consumed per learner step.")
     group_size: int = Field(8, ge=1, description="Responses sampled per prompt (G).")
     loss: LossConfig = Field(default_factory=PPOLoss, description="Policy loss, current to proximal policy: `ppo` (PPO-clip), `gspo`, `cispo` or `opmd` (Kimi k1.5).")
-    correction: CorrectionConfig = Field(default_factory=TokenCorrection, description="Behavior-to-proximal correction (`none` by default for opmd).")
+    correction: CorrectionConfig = Field(default_factory=TokenCorrection, description="Behavior-to-proximal correction (`none` by default for opmd and naive ppo).")
     advantage: AdvantageConfig = Field(default_factory=GroupAdvantage, description="Advantage estimator (for ppo; opmd uses the rewards).")
     minibatches: int = Field(1, ge=1, description="Optimizer steps per learner step, on disjoint slices of the batch.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight (entropy is logged either way).")
@@ -71,12 +71,16 @@ class TrainConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _correction_of_the_loss(cls, data: Any) -> Any:
-        # OPMD's reference is the sampler's own log-probs: by default it takes no weight.
+        # OPMD's reference is the sampler's own log-probs, and naive PPO's ratio is to the
+        # behavior policy: by default neither takes a correction.
         if isinstance(data, dict) and "correction" not in data:
             loss = data.get("loss", "ppo")
-            name = loss if isinstance(loss, str) else (loss.get("name", "ppo") if isinstance(loss, dict)
-                                                         else getattr(loss, "name", "ppo"))
-            if name == "opmd":
+            if isinstance(loss, str):
+                loss = {"name": loss}
+            elif not isinstance(loss, dict):
+                loss = {"name": getattr(loss, "name", "ppo"), "decoupled": getattr(loss, "decoupled", True)}
+            name, decoupled = loss.get("name", "ppo"), loss.get("decoupled", True)
+            if name == "opmd" or (name == "ppo" and decoupled in (False, "false", "False")):
                 return {**data, "correction": NoCorrection()}
         return data
 

@@ -9,4 +9,4 @@ from async_rl.config.section import Section
 class MetricsConfig(Section):
     text_every: int = Field(10, ge=0, description="A few generations to TensorBoard's text tab every this many steps (0 = never).")
     warn_after_steps: int = Field(10, ge=1, description="Warn once when a run has had nothing to learn from this many steps in a row.")
-    warn_mismatch_kl: float | None = Field(0.01, gt=0.0, description="Warn when is/mismatch_kl passes this, and each time it doubles (null = never).")
+    warn_mismatch_kl: float | None = Field(0.05, gt=0.0, description="Warn when is/mismatch_kl passes this, and each time it doubles (null = never).")
