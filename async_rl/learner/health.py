@@ -14,9 +14,9 @@ Each is reported once, as one log line naming the likely cause, after it has hel
 
 A third sign is read after the step: **mismatch** between the actors' policy and the
 learner's (`is/mismatch_kl`, importance.py) past `metrics.warn_mismatch_kl`, from stale
-data or from two engines' numbers (bf16 kernels, vLLM). Token-level weights stop holding
-there; the line says so when the mismatch first passes the threshold and again each
-time it doubles.
+data or from two engines' numbers (bf16 kernels, vLLM), where token-level weights correct
+less well; the line says so when the mismatch first passes the threshold and again
+each time it doubles, and points at the corrections.
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ class RunHealth:
         message = (f"step {step}: mismatch KL(actors || learner) {kl:.3g} is over {threshold:.3g} "
                    f"(token ratio max {stats.get('is/ratio_max', float('nan')):.3g}, "
                    f"{stats.get('is/masked_frac', 0.0):.1%} of tokens masked): stale data or two engines' numbers "
-                   "(bf16, vLLM); a sequence-level train.correction (geometric_mask, sequence_is) holds better there, "
-                   "see docs/algorithms.md#off-policy-corrections")
+                   "(bf16, vLLM) past what token-level weights correct well; train.correction and what each costs: "
+                   "docs/algorithms.md#off-policy-corrections")
         log.warning(message)
         return message
 

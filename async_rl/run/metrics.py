@@ -52,6 +52,14 @@ CUSTOM_SCALARS = {
         "learner idle fraction": ["Multiline", [r"^learner/idle_frac$"]],
         "actor generation seconds per group": ["Multiline", [r"^actors/gen_seconds_per_group$"]],
     },
+    "off-policy": {
+        "mismatch KL(behavior || proximal), k3 and k1": ["Multiline", [r"^is/mismatch_kl$", r"^is/mismatch_k1$"]],
+        "token ratio: min, q01, q50, q99, max": ["Multiline", [r"^is/ratio_(min|q01|q50|q99|max)$"]],
+        "sequence log-ratio: min, q01, q50, q99, max": ["Multiline", [r"^is/seq_log_ratio_"]],
+        "masked and truncated shares": ["Multiline", [r"^is/masked_frac$", r"^is/masked_seq_frac$",
+                                                      r"^is/truncated_frac$"]],
+        "effective sample size": ["Multiline", [r"^is/ess$"]],
+    },
     "losses": {
         "losses": ["Multiline", [r"^loss/"]],
         "gradient norm": ["Multiline", [r"^learner/grad_norm$", r"^critic/grad_norm$"]],
