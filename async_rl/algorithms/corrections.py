@@ -34,7 +34,8 @@ G = S / sum_t m_t is the log of its geometric mean, the per-token mean log-ratio
   inside is weighted by r_t (Ling Team, "Every Step Evolves: Scaling Reinforcement
   Learning for Trillion-Scale Thinking Model", 2025, arXiv:2510.18855).
 - M2PO: the tokens with the largest d_t^2 are masked until the second moment
-  M2 = mean over the kept tokens of d_t^2 is below tau; kept tokens weigh 1 (Zheng et
+  M2 = mean over the kept tokens of d_t^2 is below tau; a kept token is weighted by its
+  ratio r_t, as AReaL applies its behavior importance weight after the mask (Zheng et
   al., "Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on
   LLMs?", 2025, arXiv:2510.01161, in AReaL's masking form: its `m2_threshold`). Chosen
   per micro-batch, as AReaL does: each micro-batch's kept tokens have M2 < tau, hence
@@ -140,8 +141,8 @@ def icepop(log_ratio: torch.Tensor, mask: torch.Tensor, low: float, high: float)
 
 def m2po(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> Correction:
     """Mask the tokens with the largest d_t^2 until the kept tokens' mean d_t^2 < threshold
-    (strictly, as AReaL's `_get_m2po_loss_mask`). If even the smallest is not under it,
-    none is kept (AReaL keeps that one token)."""
+    (strictly, as AReaL's `_get_m2po_loss_mask`), and weight the kept ones by r_t. If even
+    the smallest is not under it, none is kept (AReaL keeps that one token)."""
     if threshold <= 0:
         raise ValueError(f"threshold must be > 0, got {threshold}")
     m = mask.bool()
@@ -154,7 +155,7 @@ def m2po(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> Corre
     flat_keep[order[:kept]] = True
     keep = torch.zeros_like(m)
     keep[m] = flat_keep
-    return _kept(keep)
+    return Correction(torch.where(keep, torch.exp(log_ratio.double()), 0.0), keep, torch.zeros_like(keep))
 
 
 def kl_rejection(log_ratio: torch.Tensor, mask: torch.Tensor, estimator: str, level: str,

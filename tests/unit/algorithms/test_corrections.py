@@ -104,9 +104,9 @@ def test_m2po_masks_the_largest_squared_log_ratios_until_the_mean_is_under_the_t
     assert m2po(d, mask, 0.1).keep.tolist() == [[True, True, True, True, False]]  # M2 = 0.0875 < 0.1
     # strictly below, as AReaL: an M2 equal to the threshold is masked down
     assert m2po(torch.tensor([[0.2, 0.2]], dtype=torch.float64), torch.ones(1, 2), 0.04).keep.sum() == 0
-    # kept tokens weigh 1; the second moment of the kept tokens is under the threshold
+    # kept tokens are weighted by their ratio; the second moment of the kept ones is under the threshold
     c = m2po(d, mask, 0.04)
-    assert_values(c.weights, [[1.0, 1.0, 0.0, 1.0, 0.0]])
+    assert_values(c.weights, [[math.exp(0.1), math.exp(-0.3), 0.0, 1.0, 0.0]])
     assert float(d[c.keep].square().mean()) < 0.04
 
 
