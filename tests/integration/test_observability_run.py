@@ -83,13 +83,16 @@ def test_a_run_writes_histograms_texts_and_the_layout_to_tensorboard(run):
         assert 0 < by_tag["is/weight"].num <= by_tag["train/response_len"].sum
         assert trained_all <= (by_tag["is/weight"].num == by_tag["train/response_len"].sum)
         assert by_tag["is/weight"].min > 0
+        # One sequence log-ratio per response trained, each the log of its tokens' product.
+        assert 0 < by_tag["is/seq_log_ratio"].num <= 32
+        assert trained_all <= (by_tag["is/seq_log_ratio"].num == 32)
         # The jsonl lines keep their flat scalar keys only.
         assert set(STEP_KEYS) <= line.keys() and not set(HISTOGRAM_TAGS) & line.keys()
     assert [e.step for e in acc.Tensors(f"{GENERATIONS_TAG}/text_summary")] == [2]
     table = text_at(acc, 2).splitlines()
     assert table[0] == "| prompt | response | reward | version |" and len(table) == 2 + 4
     assert all(row.split("|")[1].strip().endswith("=") for row in table[2:])  # the arithmetic prompts "a+b="
-    assert layout_categories(acc) == ["staleness", "throughput", "losses", "sync", "memory"]
+    assert layout_categories(acc) == ["staleness", "throughput", "off-policy", "losses", "sync", "memory"]
 
 
 def test_every_step_line_has_the_documented_metrics(run):
