@@ -5,7 +5,7 @@ LoRA adapters.
     python analysis/bench_generate.py [--config configs/smollm2.yaml]
         [--variants torch:float32,torch:bfloat16,vllm:float32,vllm:bfloat16]
         [--prompts 8] [--n 8] [--max-new-tokens 24] [--temperature 0.7] [--calls 4] [--threads 1]
-        [--path engine|rollout] [--set key=value ...]
+        [--path engine|rollout|eval] [--set key=value ...]
 
 The prompts are the config's task's first training prompts, through its chat template,
 with its stop ids, as an actor sends them; each call samples --n responses per prompt
@@ -16,8 +16,13 @@ out (warm-up), and tokens/s = generated tokens / wall time of `generate`.
 `--path rollout` times what an actor does with a work grant instead of `generate` alone:
 the same call through the actors' sample-making path (generate, score every response
 with the guarded reward, encode one ExperienceGroup per prompt), and reports samples/s
-(responses) beside tokens/s. `--set` overrides config keys (e.g. `model.path=DIR` for
-the demo config, whose model is built into a run directory).
+(responses) beside tokens/s. `--path eval` times an evaluation chunk instead: the config's
+first --prompts held-out prompts scored as an actor scores an eval grant (eval.pass_k
+samples each, greedy unless eval.temperature > 0, eval.max_new_tokens), so --n and
+--temperature do not apply; samples_per_s is then prompts scored per second. `--set`
+overrides config keys (e.g. `model.path=DIR` for the demo config, whose model is built
+into a run directory). The torch variants use the config's actors.engine.attention when
+its actors run the torch engine.
 
 A third field adds LoRA adapters of that rank to a torch variant (on the config's
 model.lora.target_modules): `torch:float32:lora8` as an actor runs it (merged into the
@@ -63,8 +68,8 @@ def run_variant(args) -> dict:
     options = dict(eos_token_id=stop_token_ids(cfg.model.path, prompt_format.tokenizer))
     if engine_name == "vllm":
         options.update(dtype=dtype, threads=args.threads, seed=cfg.seed)
-    else:
-        options.update(dtype=getattr(torch, dtype))
+    else:  # the config's kernel when its actors run the torch engine
+        options.update(dtype=getattr(torch, dtype), attention=getattr(cfg.actors.engine, "attention", None))
     lora = extra[0] if extra else ""
     if lora:
         options["lora"] = cfg.model.lora.model_copy(update={"rank": int(lora.removeprefix("lora").split("-")[0])})
@@ -75,7 +80,8 @@ def run_variant(args) -> dict:
         engine._folded = None
     init_s = time.perf_counter() - started
     generator = torch.Generator().manual_seed(cfg.seed)
-    make_samples = rollout_path(cfg, task, prompt_format, args) if args.path == "rollout" else None
+    make_samples = {"rollout": rollout_path, "eval": eval_path}.get(args.path)
+    make_samples = make_samples(cfg, task, prompt_format, args) if make_samples else None
     rates, sample_rates = [], []
     for _ in range(args.calls):
         started = time.perf_counter()
@@ -114,6 +120,20 @@ def rollout_path(cfg, task, prompt_format, args):
     return run
 
 
+def eval_path(cfg, task, prompt_format, args):
+    """A function (engine, generator) -> (tokens, prompts) that scores one evaluation chunk
+    of the config's first --prompts held-out prompts through the actors' scoring path."""
+    from async_rl.actor.rollout.rollout import Rollout
+
+    prompt_ids = [p.id for p in task.eval_prompts()[:args.prompts]]
+
+    def run(engine, generator):
+        scores = Rollout.from_config(cfg, engine, prompt_format, task, generator).scores(prompt_ids)
+        return int(scores.lengths.sum()), len(prompt_ids)
+
+    return run
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/smollm2.yaml")
@@ -124,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--calls", type=int, default=4, help="generate calls per variant; the first is a warm-up")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--path", choices=["engine", "rollout"], default="engine",
+    ap.add_argument("--path", choices=["engine", "rollout", "eval"], default="engine",
                     help="time engine.generate alone, or the actors' whole sample-making path")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # engine:dtype, run in this process

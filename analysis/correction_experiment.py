@@ -5,8 +5,10 @@
         [--python .venv-vllm/bin/python] [--set key=value ...] [--report-only]
 
 Each arm is `async-rl train configs/smollm2.yaml` with its overrides (ARMS below): the
-float32 learner with float32 torch actors (the config as it is), and the bf16 learner
-with vLLM's bf16 actors under no correction, the token-level one, and the new ones.
+float32 learner with float32 torch actors (the config's earlier settings), and the bf16 learner
+with vLLM's bf16 actors under no correction, the token-level one, and the new ones; the
+bf16 learner with the torch engine's bf16 actors (no vLLM), with the models' attention
+kernel or eager attention on both sides (the config's settings now); float32 with IcePop.
 Runs go one after another, seeds interleaved (seed 0 of every arm, then seed 1, ...),
 so an interrupted experiment has compared every arm on the seeds it finished; a run
 directory holding a finished run is skipped. Every arm runs with the same interpreter
@@ -33,15 +35,24 @@ from staleness_sweep import run_one
 from async_rl.run.directory import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["learner.precision=bf16", "actors.engine=vllm", "actors.engine.dtype=bfloat16"]
+# Every arm is spelled out from the float32 path, whatever the config sets.
+FP32 = ["learner.precision=fp32", "learner.attention=sdpa", "actors.engine.dtype=float32",
+        "actors.engine.attention=sdpa", "train.correction=token"]
+FAST = [*FP32, "learner.precision=bf16", "actors.engine=vllm", "actors.engine.dtype=bfloat16"]
+TORCH_BF16 = [*FP32, "learner.precision=bf16", "actors.engine.dtype=bfloat16"]
+EAGER = ["learner.attention=eager", "actors.engine.attention=eager"]  # softmax in float32 on both sides
 ARMS = {
-    "fp32": [],
+    "fp32": FP32,
     "bf16-none": [*FAST, "train.correction=none"],
     "bf16-token": FAST,
     "bf16-icepop": [*FAST, "train.correction=icepop"],
     "bf16-sequence_mask": [*FAST, "train.correction=sequence_mask"],
     "bf16-geometric_mask": [*FAST, "train.correction=geometric_mask"],
     "bf16-m2po": [*FAST, "train.correction=m2po"],
+    # Without vLLM: the bf16 learner with the torch engine's bf16 actors (the default install).
+    "bf16-torch-icepop": [*TORCH_BF16, "train.correction=icepop"],
+    "bf16-torch-eager-icepop": [*TORCH_BF16, *EAGER, "train.correction=icepop"],  # configs/smollm2.yaml
+    "fp32-icepop": [*FP32, "train.correction=icepop"],
 }
 PER_STEP = ("is/mismatch_kl", "is/masked_frac", "is/masked_seq_frac")
 

@@ -118,8 +118,10 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         if cfg.actors.stop:
             stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
         engine_cfg = cfg.actors.engine
-        options = dict(seed=cfg.seed, threads=cfg.actors.threads, **engine_cfg.model_dump(exclude={"name"})) \
-            if engine_cfg.name == "vllm" else {"dtype": getattr(torch, engine_cfg.dtype)}
+        if engine_cfg.name == "vllm":
+            options = dict(seed=cfg.seed, threads=cfg.actors.threads, **engine_cfg.model_dump(exclude={"name"}))
+        else:
+            options = dict(dtype=getattr(torch, engine_cfg.dtype), attention=engine_cfg.attention)
         options["lora"] = cfg.model.lora if cfg.model.lora.rank else None
         try:
             engine = make_engine(engine_cfg.name, model_or_path=cfg.model.path, device=device, **stops, **options)

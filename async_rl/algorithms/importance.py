@@ -64,7 +64,8 @@ def _distribution(prefix: str, values: torch.Tensor, bins: tuple[float, float], 
     n = 2 * round(half_range / width) + 1  # 0 is a bin's middle: on-policy data reads exactly 1
     low, high = -width * n / 2, width * n / 2
     shown = transform or (lambda x: x)
-    figures: dict[str, Figure] = {f"{prefix}_{name}": Quantile.of(values, q, low, high, n, transform)
+    counts = Quantile.counts(values, low, high, n)
+    figures: dict[str, Figure] = {f"{prefix}_{name}": Quantile(counts, q, low, high, transform)
                                   for name, q in QUANTILES.items()}
     largest = float(values.max()) if values.numel() else -math.inf
     smallest = float(values.min()) if values.numel() else math.inf

@@ -70,12 +70,12 @@ class Quantile(tuple):
         obj.q, obj.low, obj.high, obj.transform = q, low, high, transform
         return obj
 
-    @classmethod
-    def of(cls, values: torch.Tensor, q: float, low: float, high: float, bins: int, transform=None) -> Quantile:
+    @staticmethod
+    def counts(values: torch.Tensor, low: float, high: float, bins: int) -> list[float]:
+        """The histogram several quantiles of the same values share."""
         width = (high - low) / bins
         index = ((values.double() - low) / width).floor().clamp(0, bins - 1).long()
-        counts = torch.bincount(index, minlength=bins).tolist()
-        return cls([float(c) for c in counts], q, low, high, transform)
+        return [float(c) for c in torch.bincount(index, minlength=bins).tolist()]
 
     def _make(self, sums) -> Quantile:
         return Quantile(list(sums), self.q, self.low, self.high, self.transform)

@@ -91,18 +91,23 @@ class TorchEngine(GenerationEngine):
         stop_strings: Sequence[str] = (),
         tokenizer: object | None = None,
         lora=None,
+        attention: str | None = None,
     ) -> None:
         """`stop_strings` end a response as soon as its text contains one (the token that
         completes it is kept); they need the `tokenizer` to read the text. `lora` (the
         config's model.lora): the model gets the learner's adapters, and a sync carries
         those alone; in float32 they stay merged into the weights, a sync lands aside and
-        `set_version` folds it in (lora/folded.py)."""
+        `set_version` folds it in (lora/folded.py). `attention`: the HF attention kernel
+        ("sdpa", "eager"; None keeps the model's)."""
         if isinstance(model_or_path, nn.Module):
             model = model_or_path
+            if attention is not None:
+                model.set_attn_implementation(attention)
         else:
             from transformers import AutoModelForCausalLM  # heavy import, only when loading
 
-            model = AutoModelForCausalLM.from_pretrained(str(model_or_path), dtype=dtype)
+            kernel = {"attn_implementation": attention} if attention else {}
+            model = AutoModelForCausalLM.from_pretrained(str(model_or_path), dtype=dtype, **kernel)
         self.device = torch.device(device)
         self.lora = lora
         base = model
@@ -284,7 +289,11 @@ class TorchEngine(GenerationEngine):
         )
         kwargs[self._cache_arg] = cache
         if self._logits_to_keep:
-            kwargs["logits_to_keep"] = 1
+            # An index tensor, not the int 1: HF slices hidden[:, -1:, :], a strided view that
+            # torch's matmul turns into a bmm against B expanded copies of the [H, V] head
+            # (seconds per prefill of 50 prompts); indexing gathers a contiguous [B, 1, H].
+            last = input_ids.shape[1] - 1
+            kwargs["logits_to_keep"] = torch.tensor([last], device=self.device) if last else 1
         out = self.model(**kwargs)
         return out.logits[:, -1, :].float()
 

@@ -162,6 +162,21 @@ def test_shared_start_is_prefilled_once_with_the_same_results(engine: TorchEngin
         assert all(torch.equal(a.tokens, b.tokens) for ga, gb in zip(out, alone) for a, b in zip(ga, gb))
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_attention_kernel_is_the_one_asked_for(model_dir: str, attention: str) -> None:
+    """actors.engine.attention picks the model's kernel, loaded from a path or given as a
+    module; the log-probs stay those of a full forward with that kernel."""
+    from_path = TorchEngine(model_dir, eos_token_id=None, dtype=torch.float64, attention=attention)
+    module = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    from_module = TorchEngine(module, eos_token_id=None, dtype=torch.float64, attention=attention)
+    for eng in (from_path, from_module):
+        assert eng.model.config._attn_implementation == attention
+        out = eng.generate(SHARED_PROMPTS, n=2, max_new_tokens=6, generator=torch.Generator().manual_seed(4))
+        for prompt, group in zip(SHARED_PROMPTS, out):
+            for c in group:
+                assert_full_forward_logprobs(eng.model, prompt, c, 1.0)
+
+
 def test_greedy_matches_argmax(engine: TorchEngine) -> None:
     a = engine.generate(PROMPTS, max_new_tokens=8, greedy=True)
     b = engine.generate(PROMPTS, max_new_tokens=8, greedy=True)
