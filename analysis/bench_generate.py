@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=4, help="generate calls per variant; the first is a warm-up")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--path", choices=["engine", "rollout", "eval"], default="engine",
-                    help="time engine.generate alone, or the actors' whole sample-making path")
+                    help="time engine.generate alone, the actors' whole sample-making path, or an eval chunk")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # engine:dtype, run in this process
     args = ap.parse_args(argv)
