@@ -68,7 +68,7 @@ def trl_settings(cfg, output_dir: Path) -> dict:
         # "group": (r - mean) / (std + 1e-4) per prompt group, unbiased std, as group_advantages' grpo.
         scale_rewards="group" if t.advantage.name == "grpo" else "none",
         mask_truncated_completions=cfg.train.overlong.filter,
-        bf16=False, gradient_checkpointing=False,  # TRL defaults both to True; async-rl: fp32, no checkpointing
+        bf16=False, gradient_checkpointing=False,  # TRL defaults both to True; as async-rl's float32 path
         use_cpu=cfg.model.device == "cpu", report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
     )
 
