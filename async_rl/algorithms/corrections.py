@@ -90,6 +90,11 @@ def _kept(keep: torch.Tensor) -> Correction:
     return Correction(keep.double(), keep, torch.zeros_like(keep))
 
 
+def _kept_at_ratio(keep: torch.Tensor, log_ratio: torch.Tensor) -> Correction:
+    """Weight r_t on the kept tokens, nothing truncated."""
+    return Correction(torch.where(keep, torch.exp(log_ratio.double()), 0.0), keep, torch.zeros_like(keep))
+
+
 def no_correction(log_ratio: torch.Tensor, mask: torch.Tensor) -> Correction:
     return _kept(mask.bool())
 
@@ -105,7 +110,7 @@ def token_is(log_ratio: torch.Tensor, mask: torch.Tensor, cap: float, mode: str 
         return Correction(torch.where(m, torch.exp(d.clamp(max=math.log(cap))), 0.0), m, over)
     if mode == "mask":
         keep = m & ~over
-        return Correction(torch.where(keep, torch.exp(d), 0.0), keep, torch.zeros_like(keep))
+        return _kept_at_ratio(keep, d)
     raise ValueError(f"unknown mode {mode!r}; expected truncate or mask")
 
 
@@ -136,7 +141,7 @@ def icepop(log_ratio: torch.Tensor, mask: torch.Tensor, low: float, high: float)
     """A token kept, weighted by its ratio r_t, only if low <= r_t <= high."""
     d = log_ratio.double()
     keep = mask.bool() & _within(d, low, high)
-    return Correction(torch.where(keep, torch.exp(d), 0.0), keep, torch.zeros_like(keep))
+    return _kept_at_ratio(keep, d)
 
 
 def m2po(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> Correction:
@@ -155,7 +160,7 @@ def m2po(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> Corre
     flat_keep[order[:kept]] = True
     keep = torch.zeros_like(m)
     keep[m] = flat_keep
-    return Correction(torch.where(keep, torch.exp(log_ratio.double()), 0.0), keep, torch.zeros_like(keep))
+    return _kept_at_ratio(keep, log_ratio)
 
 
 def kl_rejection(log_ratio: torch.Tensor, mask: torch.Tensor, estimator: str, level: str,
