@@ -51,13 +51,18 @@ then --trl-set overrides, --max-steps, --eval-every; peer_trl.trl_settings), so
 configs/demo.yaml gives 64 prompts x 8 samples per step (per_device_train_batch_size =
 512, num_generations = 8, one optimizer step per batch), max 4 new tokens, temperature 1,
 top_p 1 and no top-k, AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), lr 5e-4 with
-cosine decay to 0.1 x lr over max_steps and no warmup, grad-norm clip 1, fp32, no KL
-(beta 0), PPO clip 0.2/0.2, loss averaged over all tokens of the batch, advantages
-(r - mean) / std per group.
+cosine decay to 0.1 x lr over max_steps and no warmup, grad-norm clip 1, no KL (beta 0),
+PPO clip 0.2/0.2, loss averaged over all tokens of the batch, advantages (r - mean) / std
+per group, and the learner's precision and attention kernel (demo: fp32; smollm2.yaml:
+bf16, which in TRL is accelerate's bf16 autocast over fp32 weights, as FSDP2's bf16
+policy is in async-rl, and eager attention).
 Differences that remain:
   - async-rl is asynchronous (the demo's max_staleness): its samples may come from weights
     up to that many steps old, weighted by decoupled PPO's capped importance weight. TRL generates each
     batch with the current weights (in both, one optimizer step per batch: ratio 1, no clip).
+  - Corrections: async-rl applies train.correction (smollm2.yaml: IcePop) to the gap
+    between its actors' numbers and the learner's; TRL samples with the model it trains
+    (under the same autocast), so it has no such gap to correct.
   - GRPO's std epsilon: TRL divides by std + 1e-4, async-rl by std + 1e-6 (both unbiased
     std; with 0/1 rewards a group's nonzero std is >= 0.35, so advantages differ < 0.03%).
   - Warmup, when set: TRL's is step/warmup, async-rl's (step+1)/warmup (the demo has none).

@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_peer, beside this script
 from bench_peer import load_run_config  # noqa: E402  (bench_peer puts this checkout's async_rl first)
 
+from async_rl.device import device_type  # noqa: E402
 from async_rl.run.directory import RunDir  # noqa: E402
 
 
@@ -68,8 +69,11 @@ def trl_settings(cfg, output_dir: Path) -> dict:
         # "group": (r - mean) / (std + 1e-4) per prompt group, unbiased std, as group_advantages' grpo.
         scale_rewards="group" if t.advantage.name == "grpo" else "none",
         mask_truncated_completions=cfg.train.overlong.filter,
-        bf16=False, gradient_checkpointing=False,  # TRL defaults both to True; as async-rl's float32 path
-        use_cpu=cfg.model.device == "cpu", report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        # async-rl's learner.precision: bf16 compute over fp32 master weights is accelerate's
+        # bf16 autocast; TRL defaults to bf16 and gradient checkpointing whatever the config.
+        bf16=cfg.learner.precision == "bf16", gradient_checkpointing=cfg.learner.activation_checkpointing,
+        use_cpu=device_type(cfg.model.device) == "cpu", report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True,
     )
 
 
@@ -126,6 +130,7 @@ def run(args) -> int:
         return summarize(*(np.concatenate([getattr(p, k) for p in parts])
                            for k in ("rewards", "lengths", "truncated")))["eval/accuracy"]
 
+    run_dir.mkdir(parents=True, exist_ok=True)
     metrics = open(RunDir(run_dir).metrics_path, "a", buffering=1)  # read back as an async-rl run's
 
     class HeldOutEval(TrainerCallback):
@@ -167,7 +172,8 @@ def run(args) -> int:
             metrics.write(json.dumps({"step": state.global_step, **(logs or {})}) + "\n")
 
     clock = HeldOutEval()
-    model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32,
+                                                 attn_implementation=cfg.learner.attention)  # None: the default
     trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=GRPOConfig(**trl_settings(cfg, run_dir)),
                           train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(str(args.model)),
                           callbacks=[clock])
