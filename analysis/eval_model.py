@@ -65,8 +65,11 @@ def main(argv=None) -> int:
     scores = Scores.of(groups)
     line = {"model": args.model, "max_new_tokens": max_new,
             **summarize(scores.rewards, scores.lengths, scores.truncated), "seconds": round(seconds, 1)}
-    if sum(scores.failures):
-        line.update({f"reward/errors_{reason}": n for reason, n in zip(FAILURE_REASONS, scores.failures)})
+    for field, prefix in (("reward_errors", "reward"), ("env_errors", "env")):
+        if sum(scores.failures[field]):
+            line.update({f"{prefix}/errors_{reason}": n for reason, n in zip(FAILURE_REASONS, scores.failures[field])})
+    if scores.failures["first_failure"]:
+        line["first_failure"] = scores.failures["first_failure"]
     print(json.dumps(line), flush=True)
     for i, prompt in enumerate(prompts[:args.show]):
         print(f"--- held-out prompt {i} (answer {prompt.answer}, reward {scores.rewards[i, 0]:g})\n"

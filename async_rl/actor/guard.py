@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from async_rl.wire.messages import FAILURE_REASONS
+from async_rl.wire.messages import FAILURE_REASONS, MAX_FAILURE_NOTE
 
 log = logging.getLogger("async_rl.reward")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards travel as float32: beyond it they arrive as inf
@@ -88,6 +88,13 @@ class Guard:
                              "(reward/errors_%s), not logged", self.kind, self.name, str(failure).splitlines()[0],
                              self.fallback, failure.reason, failure.reason, exc_info=failure.__cause__)
         return self.fallback
+
+
+def failure_note(failure: Failed) -> str:
+    """The first line of how `failure` happened, short enough to travel (wire
+    MAX_FAILURE_NOTE)."""
+    line = str(failure).splitlines()[0] if str(failure) else failure.reason
+    return line if len(line) <= MAX_FAILURE_NOTE else line[:MAX_FAILURE_NOTE - 3] + "..."
 
 
 class _Interrupted(BaseException):

@@ -232,4 +232,4 @@ def evaluate_chunk(rollout: Rollout, grant: EvalGrant, actor_id: int, threads: i
         torch.set_num_threads(before)
     return encode(EvalResult(actor_id=actor_id, round=grant.round, version=grant.version,
                              prompt_ids=list(grant.prompt_ids), rewards=scores.rewards, response_lengths=scores.lengths,
-                             truncated=scores.truncated, reward_errors=scores.failures))
+                             truncated=scores.truncated, **scores.failures))

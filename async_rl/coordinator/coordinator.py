@@ -51,7 +51,7 @@ from async_rl.wire import (
     WorkRequest,
     claimed_group,
 )
-from async_rl.wire.messages import FAILURE_REASONS
+from async_rl.wire.messages import ERROR_FIELDS, FAILURE_REASONS
 
 log = logging.getLogger("async_rl.coordinator")
 
@@ -86,7 +86,9 @@ class Coordinator:
         self.buffer: ReplayBuffer[ExperienceGroup] = ReplayBuffer(cfg.max_staleness, capacity)
         self.limits = WireLimits()
         self.rejects = RejectCounter()
-        self.reward_errors = dict.fromkeys(FAILURE_REASONS, 0)  # accepted groups' and eval results' failed reward calls
+        # Accepted groups' and eval results' failed user-code calls per reason: the
+        # reward's (reward_errors) and the environment's (env_errors), as the wire counts them.
+        self.errors = {field: dict.fromkeys(FAILURE_REASONS, 0) for field in ERROR_FIELDS}
         self.version = 0  # the learner's version (advance)
         self.actors = ActorRegistry()
         self.granted: dict[int, Grant] = {}  # admission index -> who generates it
@@ -129,12 +131,13 @@ class Coordinator:
     def counters(self) -> dict[str, float]:
         """The coordinator's part of a step's metrics line, totals so far."""
         with self._lock:
-            errors = dict(self.reward_errors)
+            counts = {prefix: dict(self.errors[field]) for field, prefix in ERROR_FIELDS.items()}
             return {"staleness/dropped": self.buffer.dropped, "wire/rejected": self.rejects.total,
                     "actors/live": len(self.actors), "data/prompts_admitted": self.admission.admitted,
                     "data/prompts_consumed": self.buffer.consumed, "data/prompts_skipped": len(self.admission.skipped),
                     "memory/actor_peak_rss_gb": self.actors.peak_rss_mb() / 1024,
-                    "reward/errors": sum(errors.values()), **{f"reward/errors_{r}": n for r, n in errors.items()}}
+                    **{f"{prefix}/errors": sum(by_reason.values()) for prefix, by_reason in counts.items()},
+                    **{f"{prefix}/errors_{r}": n for prefix, by_reason in counts.items() for r, n in by_reason.items()}}
 
     @property
     def live_actors(self) -> int:
@@ -149,14 +152,16 @@ class Coordinator:
         """Prompts skipped as too long since the last one granted."""
         return self._too_long_streak
 
-    def reward_error_totals(self) -> dict[str, int]:
-        """Failed reward calls per reason, summed over accepted groups and eval results."""
+    def error_totals(self) -> dict[str, dict[str, int]]:
+        """Failed user-code calls per wire field (reward_errors, env_errors) and reason,
+        summed over accepted groups and eval results."""
         with self._lock:
-            return dict(self.reward_errors)
+            return {field: dict(counts) for field, counts in self.errors.items()}
 
-    def _count_reward_errors(self, counts: list[int]) -> None:
-        for reason, n in zip(FAILURE_REASONS, counts):
-            self.reward_errors[reason] += n
+    def _count_errors(self, msg: ExperienceGroup | EvalResult) -> None:
+        for field, counts in self.errors.items():
+            for reason, n in zip(FAILURE_REASONS, getattr(msg, field)):
+                counts[reason] += n
 
     def request_eval(self, version: int) -> None:
         with self._lock:
@@ -178,7 +183,7 @@ class Coordinator:
                      "pending": sorted({*self.granted, *self.reissue}), "buffer_next": self.buffer.next_index,
                      "consumed": self.buffer.consumed, "dropped": self.buffer.dropped,
                      "skipped": list(self.admission.skipped), "rejected": self.rejects.by_reason(),
-                     "reward_errors": dict(self.reward_errors)}
+                     **{field: dict(counts) for field, counts in self.errors.items()}}
             return state, self.buffer.contents()
 
     def restore(self, version: int, state: dict, groups: list[tuple[int, int, ExperienceGroup]]) -> None:
@@ -195,9 +200,10 @@ class Coordinator:
         self.buffer.restore(state["buffer_next"], groups, consumed=state["consumed"], dropped=state["dropped"],
                             skipped=[i for i in self.admission.skipped if i >= state["buffer_next"]])
         self.rejects.preload(state["rejected"])
-        for reason, n in state.get("reward_errors", {}).items():  # absent before reward errors were counted
-            if reason in self.reward_errors:
-                self.reward_errors[reason] += int(n)
+        for field, counts in self.errors.items():
+            for reason, n in state.get(field, {}).items():  # absent before such errors were counted
+                if reason in counts:
+                    counts[reason] += int(n)
         log.info("restored %d buffered groups, %d prompts to re-issue", len(self.buffer), len(self.reissue))
 
     # -- requests (Hub's Handler) ---------------------------------------------------
@@ -385,7 +391,7 @@ class Coordinator:
         stored = self.buffer.put(msg.group, msg.version, msg)
         self._last_result = time.monotonic()
         if stored:  # a refused group is generated (and scored) again: counted then
-            self._count_reward_errors(msg.reward_errors)
+            self._count_errors(msg)
         else:
             # Only a full buffer refuses a granted slot (admission keeps it below its
             # capacity): generate the slot again later rather than lose it.
@@ -400,7 +406,7 @@ class Coordinator:
         reason = self.evals.on_result(msg)
         if reason is None:
             self._last_result = time.monotonic()
-            self._count_reward_errors(msg.reward_errors)
+            self._count_errors(msg)
         elif reason == "stale_eval":  # scored for a round that started over: not an invalid message
             log.debug("actor %d: evaluation result of an earlier round ignored", msg.actor_id)
         else:

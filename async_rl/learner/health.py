@@ -12,6 +12,9 @@ every batch:
 Each is reported once, as one log line naming the likely cause, after it has held for
 `metrics.warn_after_steps` steps in a row.
 
+An environment that answers with more text than its episodes can hold (an observation
+past env.max_tokens) is reported once too, naming the environment.
+
 A third sign is read after the step: **mismatch** between the actors' policy and the
 learner's (`is/mismatch_kl`, importance.py) past `metrics.warn_mismatch_kl`, from stale
 data or from two engines' numbers (bf16 kernels, vLLM), where token-level weights correct
@@ -46,6 +49,18 @@ class RunHealth:
                    f"{stats.get('is/masked_frac', 0.0):.1%} of tokens masked): stale data or two engines' numbers "
                    "(bf16, vLLM) past what token-level weights correct well; train.correction and what each costs: "
                    "docs/algorithms.md#off-policy-corrections")
+        log.warning(message)
+        return message
+
+    def check_observations(self, step: int, cut: int, env_name: str, max_tokens: int) -> str | None:
+        """The first step whose episodes were cut short by an environment's too-long
+        answer: one line naming the environment (returned, already logged)."""
+        if not cut or "observations_cut" in self.warned:
+            return None
+        self.warned.add("observations_cut")
+        message = (f"step {step}: environment {env_name} answered {cut} episode(s) with more text than the "
+                   f"episode could still take (env.max_tokens={max_tokens}); they end truncated, counted in "
+                   "env/observations_cut: shorten the environment's answers or raise env.max_tokens")
         log.warning(message)
         return message
 

@@ -59,11 +59,11 @@ class Loop:
         if trainer.version > 0:
             self.sync_weights()  # resumed: actors start from the base model, give them ours
         services.request_eval(trainer.version)
-        stop, interrupted = None, False
+        stop = None
         while trainer.version < cfg.train.max_steps:
             local, data = self.next_batch()
             if local is None:  # rank 0 stopped before the step: a signal, or no data to be had
-                stop, interrupted = self.halt or Stop(0, f"interrupted at step {trainer.version}"), True
+                stop = self.halt or Stop(0, f"interrupted at step {trainer.version}")
                 break
             histograms: dict[str, list[torch.Tensor]] | None = {} if self.rank0 else None
             with self.spans.span("train-step", step=trainer.version + 1):
@@ -81,7 +81,7 @@ class Loop:
                 services.request_eval(trainer.version)
             if self.due(cfg.checkpoint.every):
                 self.checkpoint()
-        if not interrupted:
+        if stop is None:  # a run stopped by a rule is not worth evaluating: its end must not wait on broken code
             self.final_eval()
         self.checkpoint()
         with self.spans.span("export", step=trainer.version):
@@ -187,15 +187,22 @@ class Loop:
 
     def reward_error_stop(self, bad_rewards: bool, data: StepData | None) -> Stop | None:
         """When more of the step's samples than reward.max_error_frac were scored
-        reward.fallback: rank 0's verdict (all_reduce_verdicts), and its reason."""
+        reward.fallback: rank 0's verdict (all_reduce_verdicts), and its reason, which
+        names the code that failed most (the environment or the task's reward)."""
         if not bad_rewards:
             return None
         if not self.rank0:
             return Stop(EXIT_REWARD_ERRORS, "")
-        reason = (f"stopped: {data.metrics['reward/error_frac']:.0%} of step {self.trainer.version}'s samples were "
-                  f"scored reward.fallback ({describe(data.reward_errors)}), over "
-                  f"reward.max_error_frac={self.cfg.reward.max_error_frac:g}: fix task.reward (the actor "
-                  f"log has its first failure of each kind)")
+        errors = data.errors
+        if errors.in_environment():
+            culprit, counts, fix = f"environment {self.cfg.env.name}", errors.env, "fix the environment"
+        else:
+            culprit, counts, fix = "task.reward", errors.reward, "fix task.reward"
+        first = f"; first: {errors.first}" if errors.first else ""
+        reason = (f"stopped: {errors.frac:.0%} of step {self.trainer.version}'s samples failed in {culprit} "
+                  f"({describe(counts)}) and were scored reward.fallback, over "
+                  f"reward.max_error_frac={self.cfg.reward.max_error_frac:g}: {fix} (the actor log has its "
+                  f"first failure of each kind, with its traceback){first}")
         log.error("%s; checkpoint at %s", reason, self.checkpoint_dir())
         return Stop(EXIT_REWARD_ERRORS, reason)
 

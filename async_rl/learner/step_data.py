@@ -24,7 +24,7 @@ class StepData:
     samples: int
     gen_tokens: float
     waited: float  # seconds the learner waited for the batch
-    reward_errors: list[int]  # failed user-code calls per reason (wire FAILURE_REASONS)
+    errors: StepErrors  # the user-code calls that failed
     histograms: dict[str, Any]
     texts: dict[str, str] | None
 
@@ -39,7 +39,7 @@ def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float,
     truncated = np.concatenate([g.truncated for g in groups])
     gen_seconds = sum(g.gen_seconds for g in groups)
     rewards = np.concatenate([g.rewards for g in groups])
-    reward_errors, reward_error_frac = step_errors(groups)
+    errors = step_errors(groups)
     health.check(rewards, lengths, truncated, cfg.train.group_size)
     metrics = {
         "train/reward_mean": float(rewards.mean()), "train/response_len_mean": float(lengths.mean()),
@@ -52,17 +52,20 @@ def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float,
         "actors/gen_seconds_per_group": gen_seconds / len(groups),
         "actors/gen_tokens_per_s": float(lengths.sum()) / max(gen_seconds, 1e-9),
         **version_mix(groups, learner_version),  # in-flight updates: actors/mixed_version_frac, ...
-        "reward/error_frac": reward_error_frac}
+        "reward/error_frac": errors.frac}
     if any(len(g.policy_mask) for g in groups):  # multi-turn episodes
         turns = policy_turns(groups)
         metrics.update({"env/turns_mean": float(turns.mean()), "env/turns_max": float(turns.max()),
                         "env/multi_turn_frac": float((turns > 1).mean()),
-                        "env/policy_token_frac": float(np.concatenate([g.policy_mask for g in groups]).mean())})
+                        "env/policy_token_frac": float(np.concatenate([g.policy_mask for g in groups]).mean()),
+                        "env/observations_cut": sum(g.observations_cut for g in groups)})
+        health.check_observations(learner_version + 1, metrics["env/observations_cut"], cfg.env.name,
+                                  cfg.env.max_tokens)
     texts = None
     if cfg.metrics.text_every and (learner_version + 1) % cfg.metrics.text_every == 0:
         texts = {"samples/generations": generations_table(groups, prompt_format)}
     return StepData(metrics, samples=len(lengths), gen_tokens=float(lengths.sum()), waited=waited,
-                    reward_errors=reward_errors, histograms=batch_histograms(groups, staleness), texts=texts)
+                    errors=errors, histograms=batch_histograms(groups, staleness), texts=texts)
 
 
 def policy_turns(groups) -> np.ndarray:
@@ -76,12 +79,31 @@ def policy_turns(groups) -> np.ndarray:
     return np.array(out)
 
 
-def step_errors(groups) -> tuple[list[int], float]:
-    """(failures per reason, fraction of scored responses that got the fallback) of a
-    step's ExperienceGroups; a ReMax baseline counts as one more scored response."""
-    counts = [sum(col) for col in zip(*(g.reward_errors for g in groups))] if groups else zero_counts()
+@dataclass
+class StepErrors:
+    """A step's failed user-code calls: per reason (FAILURE_REASONS order) in the task's
+    reward and in the environment, the fraction of scored responses that got the
+    fallback for either, and the first failure's note ("environment raised ...")."""
+    reward: list[int]
+    env: list[int]
+    frac: float
+    first: str
+
+    def in_environment(self) -> bool:
+        """Whether the environment, rather than the reward, failed most."""
+        return sum(self.env) > sum(self.reward)
+
+
+def step_errors(groups) -> StepErrors:
+    """The StepErrors of a step's ExperienceGroups; a ReMax baseline counts as one more
+    scored response."""
+    def total(field: str) -> list[int]:
+        return [sum(col) for col in zip(*(getattr(g, field) for g in groups))] if groups else zero_counts()
+
+    reward, env = total("reward_errors"), total("env_errors")
     scored = sum(len(g.rewards) + (g.greedy_reward is not None) for g in groups)
-    return counts, sum(counts) / max(scored, 1)
+    first = next((g.first_failure for g in groups if g.first_failure), "")
+    return StepErrors(reward, env, (sum(reward) + sum(env)) / max(scored, 1), first)
 
 
 def describe(counts) -> str:

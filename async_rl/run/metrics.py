@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from async_rl.run.directory import RunDir
 
@@ -135,6 +136,9 @@ class MetricsLogger:
         interactive = sys.stderr.isatty()
         self._bar = tqdm(total=total_steps, initial=resume_step, desc="train", unit="step", dynamic_ncols=True,
                          mininterval=0.2 if interactive else 15.0)
+        # Log lines go through tqdm while the bar is shown, each on a line of its own.
+        self._logging = logging_redirect_tqdm()
+        self._logging.__enter__()
         self._last_eval: float | None = None
 
     def elapsed(self) -> float:
@@ -169,6 +173,7 @@ class MetricsLogger:
                 f"{record['throughput/samples_per_s']:.0f} samples/s", refresh=False)
 
     def close(self) -> None:
+        self._logging.__exit__(None, None, None)
         self._bar.close()
         self._tb.flush()
         self._tb.close()

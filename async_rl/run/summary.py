@@ -47,10 +47,16 @@ def summary_lines(run_dir: Path) -> list[str]:
     if last.get("data/prompts_skipped"):
         rows.append(("skipped", f"{last['data/prompts_skipped']} prompts over the prompt limit "
                                 "(task.max_prompt_tokens)"))
-    if last.get("reward/errors"):
-        by_reason = ", ".join(f"{k.removeprefix('reward/errors_')} {v}" for k, v in last.items()
-                              if k.startswith("reward/errors_"))
-        rows.append(("reward", f"{last['reward/errors']} calls failed and scored reward.fallback ({by_reason})"))
+    for prefix, what in (("reward", "reward"), ("env", "environment")):
+        if last.get(f"{prefix}/errors"):
+            by_reason = ", ".join(f"{k.removeprefix(f'{prefix}/errors_')} {v}" for k, v in last.items()
+                                  if k.startswith(f"{prefix}/errors_"))
+            rows.append((what, f"{last[f'{prefix}/errors']} {what} calls failed and scored reward.fallback "
+                               f"({by_reason})"))
+    cut = sum(s.get("env/observations_cut", 0) for s in steps)
+    if cut:
+        rows.append(("env cuts", f"{cut} episodes ended truncated by an environment answer longer than they "
+                                 "could take (env/observations_cut)"))
     if evals:
         rows.append(("eval", f"accuracy {evals[0]['eval/accuracy']:.3f} (step {evals[0]['step']}) -> "
                              f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})"))

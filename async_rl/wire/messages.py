@@ -20,8 +20,10 @@ from async_rl.run.tracing import ACTOR_SPANS, MAX_TRACE_US, SPAN_ARG_KEYS
 from async_rl.staleness import group_version
 
 # Why a call of user code (a reward, an environment) failed: the counts of failed calls
-# travel in this order (`reward_errors`); actor/guard.py tells them apart.
+# travel in this order (`reward_errors`, `env_errors`); actor/guard.py tells them apart.
 FAILURE_REASONS = ("raised", "timeout", "non_finite", "not_a_number")
+MAX_FAILURE_NOTE = 300  # characters of `first_failure`: one line of a log
+ERROR_FIELDS = {"reward_errors": "reward", "env_errors": "env"}  # count field -> its metrics' prefix
 
 
 def zero_counts() -> list[int]:
@@ -40,6 +42,8 @@ Port = Annotated[int, Meta(ge=1, le=65535)]
 # Finite floats: NaN fails every comparison, and +-inf lies beyond the largest double.
 Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
 NonNegative = Annotated[float, Meta(ge=0.0, le=sys.float_info.max)]
+# How the first failed user-code call of a message failed: "<reward|environment> <what>".
+FailureNote = Annotated[str, Meta(max_length=MAX_FAILURE_NOTE + len("environment "))]
 
 
 @dataclass(frozen=True)
@@ -224,8 +228,12 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
     truncated: UInt8Vector  # [G] 1 = cut at the length limit (no stop token)
     gen_seconds: NonNegative
     greedy_reward: Finite | None = None  # ReMax baseline, when computed
-    # Samples (and the greedy baseline) scored reward.fallback, per FAILURE_REASONS.
+    # Samples (and the greedy baseline) scored reward.fallback, per FAILURE_REASONS: for
+    # their reward's failure, for their environment's; the first failure's note.
     reward_errors: list[Count] = field(default_factory=zero_counts)
+    env_errors: list[Count] = field(default_factory=zero_counts)
+    first_failure: FailureNote = ""
+    observations_cut: Count = 0  # episodes ended because an environment's answer was too long
     policy_mask: UInt8Vector = field(default_factory=_empty(np.uint8))  # [R], or [0]: all the policy's
     step_ends: Int32Vector = field(default_factory=_empty(np.int32))  # [S] flat offsets, increasing
     step_rewards: Float32Vector = field(default_factory=_empty(np.float32))  # [S]
@@ -281,9 +289,9 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
             return "bad_value"
         if int(lengths.sum(dtype=np.int64)) != r:
             return "shape_mismatch"
-        if len(self.reward_errors) != len(FAILURE_REASONS):
-            return "shape_mismatch"
-        if sum(self.reward_errors) > g + (self.greedy_reward is not None):
+        if (reason := check_failures(self, g + (self.greedy_reward is not None))) is not None:
+            return reason
+        if self.observations_cut > g + (self.greedy_reward is not None):
             return "bad_value"
         if (self.prompt_tokens < 0).any() or (self.response_tokens < 0).any() or (self.truncated > 1).any():
             return "bad_value"
@@ -325,18 +333,25 @@ class EvalResult(Message, tag="eval_result", eq=False):
     response_lengths: Int32Matrix  # [n, k]
     truncated: UInt8Matrix  # [n, k]
     reward_errors: list[Count] = field(default_factory=zero_counts)  # as ExperienceGroup's
+    env_errors: list[Count] = field(default_factory=zero_counts)
+    first_failure: FailureNote = ""
 
     def check(self, limits: WireLimits) -> str | None:
         shape = (len(self.prompt_ids), self.rewards.shape[1])
         if self.response_lengths.shape != shape or self.truncated.shape != shape:
             return "shape_mismatch"
-        if len(self.reward_errors) != len(FAILURE_REASONS):
-            return "shape_mismatch"
         if (self.response_lengths < 0).any() or (self.truncated > 1).any():
             return "bad_value"
-        if sum(self.reward_errors) > self.rewards.size:
-            return "bad_value"
-        return None
+        return check_failures(self, self.rewards.size)
+
+
+def check_failures(msg: ExperienceGroup | EvalResult, scored: int) -> str | None:
+    """A message's failure counts: one per reason each, at most one failure per scored episode."""
+    if len(msg.reward_errors) != len(FAILURE_REASONS) or len(msg.env_errors) != len(FAILURE_REASONS):
+        return "shape_mismatch"
+    if sum(msg.reward_errors) + sum(msg.env_errors) > scored:
+        return "bad_value"
+    return None
 
 
 class TraceSpans(Message, tag="trace_spans", eq=False):

@@ -19,13 +19,12 @@ from __future__ import annotations
 import ast
 import math
 import operator
-import re
 from collections.abc import Callable
 
 from async_rl.actor.environments.base import Turn
 from async_rl.tasks.base import Prompt
 
-CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+OPEN, CLOSE = "<calc>", "</calc>"
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
 MAX_MAGNITUDE = 1e18
@@ -74,9 +73,21 @@ def _bounded(x: int | float) -> int | float:
 
 
 def format_value(x: int | float) -> str:
+    """Integers exactly; other floats to 12 significant digits, so that 0.1 + 0.2 reads
+    0.3 and 2**-64 keeps its value."""
     if isinstance(x, float) and x.is_integer():
         return str(int(x))
-    return str(round(x, 6)) if isinstance(x, float) else str(x)
+    return f"{x:.12g}" if isinstance(x, float) else str(x)
+
+
+def first_call(action: str) -> str | None:
+    """The expression of the turn's first complete `<calc>...</calc>`, found in linear
+    time: when the first opening tag has no closing tag after it, no later one has."""
+    start = action.find(OPEN)
+    if start < 0:
+        return None
+    end = action.find(CLOSE, start + len(OPEN))
+    return None if end < 0 else action[start + len(OPEN):end]
 
 
 class Calculator:
@@ -87,11 +98,11 @@ class Calculator:
         self.prompt, self.score = prompt, score
 
     def step(self, action: str) -> Turn:
-        call = CALL.search(action)
-        if call is None:
+        expression = first_call(action)
+        if expression is None:
             return Turn(reward=self.score(self.prompt.text, action, self.prompt.answer), done=True)
         try:
-            answer = f"<result>{format_value(evaluate(call.group(1)))}</result>"
+            answer = f"<result>{format_value(evaluate(expression))}</result>"
         except CalculatorError as err:
             answer = f"<error>{err}</error>"
         return Turn([{"role": "user", "content": answer}])

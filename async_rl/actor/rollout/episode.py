@@ -37,6 +37,9 @@ class Episode:
         self.done = False
         self.truncated = False  # ended by a limit (tokens, turns), not by the environment
         self.failure: str | None = None  # why its user code failed (wire FAILURE_REASONS), if it did
+        self.failed_in = ""  # whose code failed: "reward" or "environment"
+        self.failure_note = ""  # how it failed, one line
+        self.observation_cut = False  # an environment's answer was longer than the budget it could use
 
     def prefix(self) -> list[int]:
         """What the policy's next turn is conditioned on."""
@@ -79,7 +82,7 @@ class Episode:
         if turn.done:
             self.done = True
             return
-        if self.turns >= self.max_turns or len(tokens) >= self.budget():
+        if self.turns >= self.max_turns or len(tokens) >= self.budget() or self.observation_cut:
             self.done = self.truncated = True
             return
         self.tokens += tokens
@@ -87,10 +90,10 @@ class Episode:
         self.versions += [self.versions[-1]] * len(tokens)
         self.mask += [0] * len(tokens)
 
-    def fail(self, reward: float, reason: str) -> None:
-        """Its environment (or, single-turn, its reward) failed for `reason` (the guard
-        counted it): the episode ends, scored `reward`."""
-        self.reward, self.failure = reward, reason
+    def fail(self, reward: float, reason: str, failed_in: str = "environment", note: str = "") -> None:
+        """Its environment (or, single-turn, its reward: `failed_in`) failed for `reason`
+        (the guard counted it), as `note` says: the episode ends, scored `reward`."""
+        self.reward, self.failure, self.failed_in, self.failure_note = reward, reason, failed_in, note
         self.step_ends, self.step_rewards = ([len(self.tokens) - 1], [reward]) if self.tokens else ([], [])
         self.done = True
 

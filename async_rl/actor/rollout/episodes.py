@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from async_rl.actor.environments.base import Turn
-from async_rl.actor.guard import Call, Calls, Failed, Guard, as_reward
+from async_rl.actor.guard import Call, Calls, Failed, Guard, as_reward, failure_note
 from async_rl.actor.rollout.episode import Episode
-from async_rl.actor.rollout.turns import TurnFormat
+from async_rl.actor.rollout.turns import MAX_CHARS_PER_TOKEN, TurnFormat
 from async_rl.tasks.base import Prompt
 
 GATHER_S = 0.02  # answers that come within a moment join the same batch
@@ -54,6 +54,26 @@ class Environments:
     factory: Callable[[Prompt], Any]
     guard: Guard
     turns: TurnFormat
+    cut_so_far: int = 0
+
+    def answer_tokens(self, ep: Episode, messages: list[dict[str, str]], eos_token_ids) -> list[int]:
+        """The tokens of the environment's answer to `ep`'s last turn; none for an answer
+        of more than MAX_CHARS_PER_TOKEN characters per token the episode can still take,
+        which is not tokenized at all (the cost of a huge answer stays that of counting
+        its characters): `ep` is marked `observation_cut` and ends truncated, and the first
+        such answer is logged."""
+        limit = ep.budget() * MAX_CHARS_PER_TOKEN
+        if sum(len(m["content"]) for m in messages) > limit:
+            ep.observation_cut = True
+            self.cut_so_far += 1
+            if self.cut_so_far == 1:
+                self.guard.log.warning(
+                    "environment %s answered with more than %d characters, past the %d tokens its episode could "
+                    "still take: the episode ends truncated, the answer untokenized; further such answers are "
+                    "counted (env/observations_cut), not logged", self.guard.name, limit, ep.budget())
+            return []
+        last = ep.tokens[-1] if ep.tokens else None
+        return self.turns.tokens(messages, last if last in eos_token_ids else None)
 
 
 def checked_turn(value: object) -> Turn:
@@ -115,15 +135,13 @@ def run_episodes(engine, prompt_format, prompts: list[Prompt], n: int, limits: L
         for (kind, i), outcome in calls.answers(block=True, gather_s=GATHER_S):
             ep = episodes[i]
             if isinstance(outcome, Failed):
-                ep.fail(environments.guard.failed(outcome), outcome.reason)
+                ep.fail(environments.guard.failed(outcome), outcome.reason, "environment", failure_note(outcome))
             elif kind == "start":
                 envs[i] = outcome
                 ready.append(i)
             else:
-                last = ep.tokens[-1] if ep.tokens else None
-                stop = last if last in engine.eos_token_ids else None
-                ep.add_environment_turn(outcome, environments.turns.tokens(outcome.messages, stop)
-                                        if not outcome.done else [])
+                tokens = [] if outcome.done else environments.answer_tokens(ep, outcome.messages, engine.eos_token_ids)
+                ep.add_environment_turn(outcome, tokens)
                 if not ep.done:
                     ready.append(i)
         ready.sort()  # the batch in episode order, whatever order the answers came in

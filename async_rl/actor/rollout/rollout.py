@@ -5,7 +5,8 @@ by the task's reward; a multi-turn one (env.name) plays against an environment, 
 gives the rewards. `experience` turns a work grant into one ExperienceGroup per prompt
 (the training-sample format), `scores` an evaluation grant's held-out prompts into their
 rewards. All user code (the reward, the environment) runs guarded (actor/guard.py): a
-failure scores reward.fallback and is counted in the message's `reward_errors`.
+failure scores reward.fallback and is counted in the message's `reward_errors` or
+`env_errors`, whichever code failed.
 
 ReMax's baseline is part of the same path: one greedy episode per prompt with the same
 weights, scored like the samples, its reward the group's `greedy_reward`; with an
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from async_rl.actor.guard import Call, Calls, Failed, Guard, as_reward
+from async_rl.actor.guard import Call, Calls, Failed, Guard, as_reward, failure_note
 from async_rl.actor.rollout.episode import Episode
 from async_rl.actor.rollout.episodes import Environments, Limits, Sampling, run_episodes
 from async_rl.actor.rollout.turns import TurnFormat
@@ -34,19 +35,26 @@ from async_rl.wire.messages import FAILURE_REASONS
 log = logging.getLogger("async_rl.actor")
 
 
-def failures(episodes: list[Episode]) -> list[int]:
-    """Failed user-code calls per reason (FAILURE_REASONS order) among `episodes`."""
-    return [sum(ep.failure == reason for ep in episodes) for reason in FAILURE_REASONS]
+def failures(episodes: list[Episode]) -> dict:
+    """The wire's failure fields of `episodes`: failed reward and environment calls per
+    reason (FAILURE_REASONS order), and how the first failure happened."""
+    def counts(failed_in: str) -> list[int]:
+        return [sum(ep.failure == reason and ep.failed_in == failed_in for ep in episodes)
+                for reason in FAILURE_REASONS]
+
+    first = next((ep for ep in episodes if ep.failure is not None), None)
+    return {"reward_errors": counts("reward"), "env_errors": counts("environment"),
+            "first_failure": f"{first.failed_in} {first.failure_note}" if first is not None else ""}
 
 
 @dataclass
 class Scores:
-    """A chunk of held-out prompts, `k` samples each: [prompts, k] arrays, and the failed
-    user-code calls per reason."""
+    """A chunk of held-out prompts, `k` samples each: [prompts, k] arrays, and the wire's
+    failure fields (`failures`)."""
     rewards: np.ndarray
     lengths: np.ndarray
     truncated: np.ndarray
-    failures: list[int]
+    failures: dict
 
     @classmethod
     def of(cls, groups: list[list[Episode]]) -> Scores:
@@ -111,6 +119,7 @@ class Rollout:
             responses = [ep.response() for ep in episodes]
             masks = [r.policy_mask for r in responses if r.policy_mask is not None]
             greedy = None if baselines is None else baselines[k][0]
+            scored = episodes + ([greedy] if greedy is not None else [])
             out.append(ExperienceGroup.from_responses(
                 responses, actor_id=actor_id, group=grant.groups[k], prompt_id=grant.prompt_ids[k],
                 version=group_version(np.concatenate([r.versions for r in responses]), default=self.engine.version,
@@ -119,7 +128,8 @@ class Rollout:
                 rewards=np.array([ep.reward for ep in episodes], dtype=np.float32),
                 truncated=np.array([ep.truncated for ep in episodes], dtype=np.uint8),
                 gen_seconds=seconds / max(1, len(prompts)), greedy_reward=None if greedy is None else greedy.reward,
-                reward_errors=failures(episodes + ([greedy] if greedy is not None else []))))
+                observations_cut=sum(ep.observation_cut for ep in scored),
+                **failures(scored)))
         return out
 
     def scores(self, prompt_ids: list[int]) -> Scores:
@@ -151,6 +161,6 @@ class Rollout:
         for i, outcome in calls.wait_all().items():
             ep = pairs[i][1]
             if isinstance(outcome, Failed):
-                ep.fail(self.reward.failed(outcome), outcome.reason)
+                ep.fail(self.reward.failed(outcome), outcome.reason, "reward", failure_note(outcome))
             else:
                 ep.score(outcome)

@@ -23,6 +23,11 @@ from collections.abc import Sequence
 
 from async_rl.tasks.prompt_format import PromptFormat
 
+# Real text averages 3-5 characters per token; an environment's answer of more than this
+# many characters per token its episode can still take is taken as too long to fit,
+# without tokenizing it (episodes.Environments.answer_tokens).
+MAX_CHARS_PER_TOKEN = 16
+
 # A conversation to render around: its assistant reply marks where the turn's closing starts.
 _PROBE_REPLY = "async-rl probe reply 7f3a"
 _PROBE = [{"role": "user", "content": "async-rl probe question"}, {"role": "assistant", "content": _PROBE_REPLY}]
@@ -60,3 +65,4 @@ class TurnFormat:
         """`text` as token ids (the template's special tokens as such, no BOS added)."""
         stop_text = "" if stop_token is None else self.tokenizer.decode([stop_token], skip_special_tokens=False)
         return list(self.tokenizer(self.text(messages, stop_text), add_special_tokens=False)["input_ids"])
+

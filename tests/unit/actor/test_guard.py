@@ -266,6 +266,20 @@ def test_counts_travel_with_a_group_and_old_messages_mean_zero():
     with pytest.raises(WireError, match="bad_value"):  # more failures than samples
         decode(encode(_group(reward_errors=[5, 0, 0, 0])))
     assert decode(encode(_group(reward_errors=[4, 0, 0, 1], greedy_reward=0.0))).reward_errors == [4, 0, 0, 1]
-    errors, frac = step_errors([_group(reward_errors=[1, 0, 0, 0]), _group(reward_errors=[0, 1, 2, 0])])
-    assert errors == [1, 1, 2, 0] and frac == 4 / 8
-    assert step_errors([])[1] == 0.0
+    errors = step_errors([_group(reward_errors=[1, 0, 0, 0]), _group(reward_errors=[0, 1, 2, 0])])
+    assert errors.reward == [1, 1, 2, 0] and errors.env == counts() and errors.frac == 4 / 8
+    assert not errors.in_environment() and errors.first == ""
+    assert step_errors([]).frac == 0.0
+
+
+def test_environment_failures_travel_apart_from_the_rewards_with_the_first_note():
+    note = "environment raised ValueError: " + "x" * 400
+    with pytest.raises(WireError):  # a note longer than a log line
+        decode(encode(_group(env_errors=[1, 0, 0, 0], first_failure=note)))
+    got = decode(encode(_group(env_errors=[2, 1, 0, 0], first_failure=note[:200])))
+    assert got.env_errors == [2, 1, 0, 0] and got.first_failure == note[:200]
+    with pytest.raises(WireError, match="bad_value"):  # reward and environment failures share the samples
+        decode(encode(_group(reward_errors=[2, 0, 0, 0], env_errors=[0, 3, 0, 0])))
+    errors = step_errors([_group(reward_errors=[1, 0, 0, 0]), got])
+    assert errors.env == [2, 1, 0, 0] and errors.frac == 4 / 8 and errors.in_environment()
+    assert errors.first == note[:200]

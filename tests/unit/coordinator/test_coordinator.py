@@ -3,6 +3,7 @@ import logging
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -377,13 +378,18 @@ def test_the_coordinator_sums_counts_into_its_checkpoint_state_and_old_states_me
     try:
         coord = Coordinator(cfg, make_task("arithmetic", seed=0), bc, tmp_path)
         state, _ = coord.snapshot()
-        assert state["reward_errors"] == dict.fromkeys(FAILURE_REASONS, 0)
-        old = {k: v for k, v in state.items() if k != "reward_errors"}  # a checkpoint from before the counts
+        zero = dict.fromkeys(FAILURE_REASONS, 0)
+        assert state["reward_errors"] == state["env_errors"] == zero
+        old = {k: v for k, v in state.items() if k not in ("reward_errors", "env_errors")}  # before the counts
         coord.restore(0, old, [])
-        assert coord.reward_error_totals() == dict.fromkeys(FAILURE_REASONS, 0)
+        assert coord.error_totals() == {"reward_errors": zero, "env_errors": zero}
         coord.restore(0, {**old, "reward_errors": {"raised": 3, "timeout": 1}}, [])
-        coord._count_reward_errors([1, 0, 2, 0])
-        assert coord.reward_error_totals() == {"raised": 4, "timeout": 1, "non_finite": 2, "not_a_number": 0}
-        assert coord.snapshot()[0]["reward_errors"] == coord.reward_error_totals()
+        coord._count_errors(SimpleNamespace(reward_errors=[1, 0, 2, 0], env_errors=[0, 5, 0, 0]))
+        totals = coord.error_totals()
+        assert totals["reward_errors"] == {"raised": 4, "timeout": 1, "non_finite": 2, "not_a_number": 0}
+        assert totals["env_errors"] == {**zero, "timeout": 5}
+        assert {k: coord.snapshot()[0][k] for k in totals} == totals
+        counters = coord.counters()
+        assert counters["reward/errors"] == 7 and counters["env/errors"] == counters["env/errors_timeout"] == 5
     finally:
         bc.close()

@@ -52,3 +52,13 @@ def test_mismatch_warns_when_it_passes_the_threshold_and_again_when_it_doubles(c
     assert health.check_mismatch(3, {"is/mismatch_kl": 0.02}) is None  # not yet twice 0.012
     assert health.check_mismatch(4, {"is/mismatch_kl": 0.03}).startswith("step 4")
     assert RunHealth(10, True, 64, mismatch_threshold=None).check_mismatch(1, {"is/mismatch_kl": 9.0}) is None
+
+
+def test_an_environments_too_long_answers_are_named_once(caplog):
+    health = RunHealth(steps=3, uses_chat_template=True, max_new_tokens=8)
+    with caplog.at_level(logging.WARNING, logger="async_rl.learner.health"):
+        assert health.check_observations(1, 0, "mine:make", 256) is None
+        msg = health.check_observations(2, 3, "mine:make", 256)
+        assert health.check_observations(3, 5, "mine:make", 256) is None  # once
+    assert "environment mine:make" in msg and "env.max_tokens=256" in msg and "3 episode" in msg
+    assert [r.getMessage() for r in caplog.records] == [msg]

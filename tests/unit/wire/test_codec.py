@@ -142,8 +142,10 @@ def test_unaligned_frames_are_copied_not_misread():
 def test_messages_without_reward_errors_mean_none_failed():
     """Senders from before reward_errors existed: absent counts decode as zeros."""
     for msg in (make_group(), SAMPLES[-1]):
-        got = decode(_header_edit(msg, lambda h: h["message"].pop("reward_errors")), LIMITS)
-        assert got.reward_errors == [0, 0, 0, 0] and type(got.reward_errors) is list
+        got = decode(_header_edit(msg, lambda h: [h["message"].pop(k) for k in ("reward_errors", "env_errors")]),
+                     LIMITS)
+        assert got.reward_errors == got.env_errors == [0, 0, 0, 0] and type(got.reward_errors) is list
+        assert got.first_failure == ""
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

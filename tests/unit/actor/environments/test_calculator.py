@@ -8,6 +8,7 @@ from async_rl.actor.environments.calculator import (
     Calculator,
     CalculatorError,
     evaluate,
+    first_call,
     format_value,
 )
 from async_rl.actor.environments.registry import environment_factory
@@ -52,7 +53,30 @@ def test_a_call_is_answered_and_a_plain_turn_is_the_scored_final_answer():
 
 
 def test_values_print_as_a_person_writes_them():
-    assert [format_value(v) for v in (3.0, 2.5, 1 / 3, 12)] == ["3", "2.5", "0.333333", "12"]
+    assert [format_value(v) for v in (3.0, 2.5, 1 / 3, 12, 0.1 + 0.2)] == ["3", "2.5", "0.333333333333", "12", "0.3"]
+
+
+def test_small_values_keep_their_value():
+    assert format_value(evaluate("2**-64")) == "5.42101086243e-20"
+    assert float(format_value(evaluate("1/3 * 1e-9"))) == pytest.approx(1 / 3 * 1e-9, rel=1e-11)
+
+
+def test_the_first_complete_call_is_found_in_linear_time():
+    assert first_call("a <calc>1+2</calc> b <calc>3</calc>") == "1+2"
+    assert first_call("<calc><calc>1</calc>") == "<calc>1"  # as the regex's leftmost lazy match
+    assert first_call("no call") is None and first_call("<calc>1+2") is None
+    # Unclosed tags: the regex this replaces took 19 s on 20,000 of them (quadratic);
+    # counting the characters searched keeps the check independent of the CPU's speed.
+    class Counting(str):
+        scanned = 0
+
+        def find(self, sub, start=0, *args):
+            found = str.find(self, sub, start, *args)
+            Counting.scanned += (len(self) if found < 0 else found + len(sub)) - start
+            return found
+
+    text = Counting("<calc>" * 20_000)
+    assert first_call(text) is None and Counting.scanned <= 2 * len(text)
 
 
 def test_an_unknown_environment_name_is_one_line():

@@ -102,7 +102,8 @@ def test_a_slow_environment_does_not_hold_the_others_and_a_hung_one_fails_alone(
         # The timeout is for the hung calls; the others return at once, even on a slow machine.
         hung = _run(setup, lambda p: Counting(p, turns=3, hang=hang_turn), prompts, Limits(5, 200, 4), timeout_s=1.0,
                     fallback=-1.0)
-        assert all(ep.failure == "timeout" and ep.reward == -1.0 for ep in hung[0])
+        assert all(ep.failure == "timeout" and ep.reward == -1.0 and ep.failed_in == "environment"
+                   and "timeout of 1s" in ep.failure_note for ep in hung[0])
         assert all(ep.failure is None and ep.reward == 3.0 for ep in hung[1])
 
         def slow_to_start(p):
@@ -117,3 +118,45 @@ def test_a_slow_environment_does_not_hold_the_others_and_a_hung_one_fails_alone(
         hang_turn.set()
         hang_start.set()
         engine.eos_token_ids, engine._eos = saved
+
+
+class Flooding:
+    """Answers its first turn with `chars` characters, rewarded 1."""
+
+    def __init__(self, prompt, chars):
+        self.chars = chars
+
+    def step(self, action):
+        return Turn([{"role": "user", "content": "x" * self.chars}], reward=1.0)
+
+
+def test_an_answer_longer_than_the_episode_can_take_ends_it_truncated_untokenized_and_is_logged_once(setup, caplog):
+    engine, pf, turns = setup
+    saved = engine.eos_token_ids, engine._eos
+    engine.eos_token_ids, engine._eos = list(range(len(pf.tokenizer))), torch.arange(len(pf.tokenizer))
+    tokenized = []
+
+    class Spy(TurnFormat):
+        def tokens(self, messages, stop_token):
+            tokenized.append(sum(len(m["content"]) for m in messages))
+            return super().tokens(messages, stop_token)
+
+    prompts = [Prompt(id=i, text=f"q{i}", answer="") for i in range(2)]
+    try:
+        with caplog.at_level("WARNING"):
+            guard = Guard("flood_env", timeout_s=5.0, kind="environment")
+            groups, _ = run_episodes(engine, pf, prompts, 2, Limits(3, 64, 4), Sampling(temperature=1.0),
+                                     torch.Generator().manual_seed(0),
+                                     Environments(lambda p: Flooding(p, 200_000), guard, Spy(pf)))
+            fits, _ = run_episodes(engine, pf, prompts[:1], 1, Limits(2, 64, 4), Sampling(temperature=1.0),
+                                   torch.Generator().manual_seed(0),
+                                   Environments(lambda p: Flooding(p, 8), guard, Spy(pf)))
+    finally:
+        engine.eos_token_ids, engine._eos = saved
+    episodes = [ep for g in groups for ep in g]
+    assert all(ep.observation_cut and ep.done and ep.truncated and ep.turns == 1 and ep.reward == 1.0
+               and ep.failure is None for ep in episodes)
+    assert tokenized == [8, 8]  # only the short answers were tokenized
+    assert not fits[0][0].observation_cut and fits[0][0].turns == 2
+    lines = [r.getMessage() for r in caplog.records if "flood_env" in r.getMessage()]
+    assert len(lines) == 1 and "ends truncated" in lines[0], lines

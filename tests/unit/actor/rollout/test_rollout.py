@@ -59,7 +59,8 @@ def test_a_failing_reward_scores_the_fallback_and_is_counted_with_its_group(demo
     cfg, engine, task, rollout = _setup(demo_model, task={"reward": f"{rewards}:score"},
                                         reward={"fallback": -0.25})
     [g] = rollout.experience(WorkGrant(groups=[0], prompt_ids=[0]), actor_id=0)
-    assert g.rewards.tolist() == [-0.25] * 4 and g.reward_errors == [4, 0, 0, 0]
+    assert g.rewards.tolist() == [-0.25] * 4 and g.reward_errors == [4, 0, 0, 0] and g.env_errors == [0, 0, 0, 0]
+    assert g.first_failure == "reward raised ValueError: no"
 
 
 def test_evaluation_scores_are_the_greedy_responses_rewards(demo_model):
@@ -102,6 +103,22 @@ class Echo:
     def step(self, action):
         self.turns += 1
         return Turn([{"role": "user", "content": "again"}], reward=float(len(action)), done=self.turns == 2)
+
+
+def broken_factory(prompt):
+    raise RuntimeError("the board is gone")
+
+
+def test_an_environment_that_fails_is_counted_as_the_environments_not_the_rewards(chat_model):
+    cfg, engine, task, rollout = _setup(
+        chat_model, task={"name": "word_problems"}, reward={"fallback": -1.0},
+        env={"name": f"{__name__}:broken_factory", "max_turns": 2, "max_tokens": 64, "turn_tokens": 3},
+        train={"group_size": 2})
+    [g] = [decode(encode(group)) for group in rollout.experience(WorkGrant(groups=[0], prompt_ids=[0]), actor_id=0)]
+    assert g.env_errors == [2, 0, 0, 0] and g.reward_errors == [0, 0, 0, 0] and g.rewards.tolist() == [-1.0, -1.0]
+    assert g.first_failure == "environment raised RuntimeError: the board is gone" and g.observations_cut == 0
+    scores = rollout.scores([EVAL_ID_OFFSET])
+    assert scores.failures["env_errors"] == [1, 0, 0, 0] and scores.failures["first_failure"].startswith("environment")
 
 
 def test_remax_baseline_plays_against_the_environment_too(chat_model):
