@@ -65,4 +65,3 @@ class TurnFormat:
         """`text` as token ids (the template's special tokens as such, no BOS added)."""
         stop_text = "" if stop_token is None else self.tokenizer.decode([stop_token], skip_special_tokens=False)
         return list(self.tokenizer(self.text(messages, stop_text), add_special_tokens=False)["input_ids"])
-
