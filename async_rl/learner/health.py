@@ -12,14 +12,14 @@ every batch:
 Each is reported once, as one log line naming the likely cause, after it has held for
 `metrics.warn_after_steps` steps in a row.
 
-An environment that answers with more text than its episodes can hold (an observation
-past env.max_tokens) is reported once too, naming the environment.
-
 A third sign is read after the step: **mismatch** between the actors' policy and the
 learner's (`is/mismatch_kl`, importance.py) past `metrics.warn_mismatch_kl`, from stale
 data or from two engines' numbers (bf16 kernels, vLLM), where token-level weights correct
 less well; the line says so when the mismatch first passes the threshold and again
 each time it doubles, and points at the corrections.
+
+An environment that answers with more text than its episodes can hold (an observation
+past env.max_tokens) is reported once too, naming the environment.
 """
 from __future__ import annotations
 
