@@ -260,6 +260,17 @@ def _spawn_actor(cfg: Config, i: int, logs: Path, hub: str | None = None, run_di
 
 def train(cfg: Config, resume: str | None = None) -> int:
     """`resume`: a run directory to continue from its latest intact checkpoint."""
+    # The stop handlers stay until the summary is printed: a signal that comes after the
+    # learner ended must not kill this process halfway through reporting a finished run.
+    old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        return _train(cfg, resume)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _train(cfg: Config, resume: str | None) -> int:
     run_dir, checkpoint, lock = prepare(cfg, resume)
     _say(f"run directory {run_dir}" + (f", resuming from {checkpoint.name}" if checkpoint else ""))
     logs = run_dir / "logs"
@@ -279,7 +290,8 @@ def train(cfg: Config, resume: str | None = None) -> int:
         nonlocal stop_signal
         stop_signal = stop_signal or signum
 
-    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    for s in STOP_SIGNALS:
+        signal.signal(s, on_signal)
     try:
         # Loading a large model comes before the hub: give start-up at least HUB_START_S.
         # The actors start at once: their imports and set-up overlap the learner's.
@@ -313,21 +325,20 @@ def train(cfg: Config, resume: str | None = None) -> int:
     except RuntimeError as err:
         _say(str(err))
     finally:
+        stopped_by = stop_signal  # one that comes later finds the run already over
         _stop([learner, *actors], signal.SIGTERM)
         _wait_all([learner, *actors], 5.0)
         _stop([learner, *actors], signal.SIGKILL)
         _wait_all([learner, *actors], 5.0)
-        for s, handler in old.items():
-            signal.signal(s, handler)
         lock.release()
     status = RunDir(run_dir).status()
-    if stop_signal:  # the learner ended cleanly on our SIGTERM; the run's status is the signal's
+    if stopped_by:  # the learner ended cleanly on our SIGTERM; the run's status is the signal's
         reason = status["reason"] if status else "stopped before the learner had started"
         with contextlib.suppress(OSError):  # a full disk must not change what the launcher exits with
-            write_status(run_dir, 128 + stop_signal, f"{reason} ({signal.Signals(stop_signal).name})")
+            write_status(run_dir, 128 + stopped_by, f"{reason} ({signal.Signals(stopped_by).name})")
     print_summary(run_dir)
-    if stop_signal:
-        return 128 + stop_signal
+    if stopped_by:
+        return 128 + stopped_by
     if learner.returncode == 0 and status and status["exit_code"]:
         _say(status["reason"])
         return int(status["exit_code"])

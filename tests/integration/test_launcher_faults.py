@@ -102,6 +102,31 @@ def test_sighup_stops_the_run_like_sigterm(tmp_path, demo_model):
     assert not survivors(tree[1:])
 
 
+LATE_SIGNAL = """
+import os, signal, sys
+from async_rl import cli
+from async_rl.run import launcher
+summary = launcher.print_summary
+def signalled_summary(run_dir):
+    os.kill(os.getpid(), signal.SIGTERM)  # the learner has ended: the signal comes too late to stop it
+    summary(run_dir)
+launcher.print_summary = signalled_summary
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_after_the_learner_ended_leaves_the_finished_run_finished(tmp_path, demo_model):
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", LATE_SIGNAL, "train", str(ROOT / "configs/demo.yaml"),
+                           f"run_dir={run}", f"model.path={demo_model}", *SMALL, "train.max_steps=2"],
+                          capture_output=True, text=True, timeout=100, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "stopping" not in proc.stderr
+    status = RunDir(run).status()
+    assert status["exit_code"] == 0 and "SIGTERM" not in status["reason"]
+
+
 @pytest.mark.timeout(120)
 def test_a_killed_learner_rank_is_one_console_line_with_the_resume_command(tmp_path, demo_model):
     run = tmp_path / "run"
