@@ -38,6 +38,9 @@ first also builds the group) are excluded and medians reported:
             pipelined chain (async_rl/weight_transfer/gloo_chain.py; `schedule` in the
             output), which one flat buffer cannot: that, not the bucketing itself,
             is where the bucketed path gains on the reference
+  unverified  the same as bucketed without the check of what arrived (rank 0 writes no
+            fingerprint, the receivers compute none: weight_transfer/fingerprint.py);
+            the comparison's `verify_share` is the check's share of a bucketed sync
   nocopy    the same bucket plan and schedule, from/into preallocated buckets, nothing
             copied: isolates the schedule from publish's copy-in
 Each round is timed on rank 0 from just before its first action until every receiver
@@ -49,10 +52,12 @@ Output, one JSON object per line on stdout:
                                  GB/s, every repetition; bucketed also carries the
                                  publish (copy-in, overlapping the sends) time, the
                                  broadcast thread's own duration (`wire_s`, from
-                                 taking the set up) and the receivers' receive() time
+                                 taking the set up), the receivers' receive() time
+                                 and rank 0's fingerprint time (beside the sends)
   {"kind": "comparison", ...}   one per (size, bucket_mb): bucketed_over_flat =
                                  bucketed GB/s / flat GB/s (from the medians),
-                                 nocopy_over_flat, and the median of per-repetition
+                                 nocopy_over_flat, verify_share (1 - unverified /
+                                 bucketed time), and the medians of per-repetition
                                  paired ratios
   {"kind": "summary", ...}      last line: device ("cpu": gloo; "cuda": NCCL, a path
                                  written but not yet run anywhere), backend, bucketed_over_flat (the
@@ -81,7 +86,7 @@ from async_rl.weight_transfer.groups import broadcast
 from async_rl.weight_transfer.receiver import ParameterReceiver
 from async_rl.weight_transfer.sender import WeightSender  # noqa: E402
 
-MODES = ("flat", "bucketed", "nocopy")
+MODES = ("flat", "bucketed", "unverified", "nocopy")
 
 
 def qwen2_like_specs(target_bytes: int, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -161,8 +166,9 @@ def worker(conn, rank: int, threads: int, device_name: str, namespace: str | Non
                 conn.send(("ok",))
                 continue
             started = time.perf_counter()
-            if op == "bucketed":
+            if op in ("bucketed", "unverified"):
                 _, epoch, world, host, port = msg
+                receiver.verify = op == "bucketed"
                 receiver.receive(epoch=epoch, rank=rank, world_size=world, store_host=host, store_port=port)
             elif op == "flat":  # the receiver's own group (formed by the first bucketed round)
                 broadcast(receiver.group, flat)
@@ -247,16 +253,17 @@ class Bench:
         modes = MODES
         want = checksum(t for _, t in source)
         times = {m: [] for m in modes}
-        extra = {"publish_s": [], "wire_s": [], "receive_s": []}
+        extra = {"publish_s": [], "wire_s": [], "receive_s": [], "fingerprint_s": []}
         try:
             for rep in range(warmup + reps):
                 order = modes[rep % len(modes):] + modes[:rep % len(modes)]
                 if rep == 0:
                     order = ("bucketed",) + tuple(m for m in modes if m != "bucketed")  # builds the group
                 for mode in order:
-                    if mode == "bucketed":
+                    if mode in ("bucketed", "unverified"):
                         version += 1
-                        self.tell(("bucketed", epoch, world, bc.host, bc.port))
+                        bc.verify = mode == "bucketed"
+                        self.tell((mode, epoch, world, bc.host, bc.port))
                         t0 = time.perf_counter()
                         bc.publish(version, iter(source))
                         t_pub = time.perf_counter() - t0
@@ -266,10 +273,11 @@ class Bench:
                                 raise TimeoutError("the broadcaster never completed")
                             time.sleep(0.0002)
                         dt = time.perf_counter() - t0
-                        if rep >= warmup:
+                        if rep >= warmup and mode == "bucketed":
                             extra["publish_s"].append(t_pub)
                             extra["wire_s"].append(bc.last_broadcast_s)
                             extra["receive_s"].append(max(recv_s))
+                            extra["fingerprint_s"].append(bc.last_fingerprint_s)
                     else:
                         self.tell((mode, world))
                         t0 = time.perf_counter()
@@ -312,7 +320,8 @@ class Bench:
             if mode == "bucketed":
                 line.update({k: round(statistics.median(v), 6) for k, v in
                              (("publish_median_s", extra["publish_s"]), ("wire_median_s", extra["wire_s"]),
-                              ("receive_median_s", extra["receive_s"]))})
+                              ("receive_median_s", extra["receive_s"]),
+                              ("fingerprint_median_s", extra["fingerprint_s"]))})
             lines.append(line)
         flat_gbps = nbytes / med["flat"] / 1e9
         bucketed_gbps = nbytes / med["bucketed"] / 1e9
@@ -322,7 +331,11 @@ class Bench:
                       "bucketed_over_flat": round(bucketed_gbps / flat_gbps, 4),
                       "nocopy_over_flat": round(nocopy_gbps / flat_gbps, 4),
                       "paired_bucketed_over_flat": round(statistics.median(
-                          f / b for f, b in zip(times["flat"], times["bucketed"])), 4)})
+                          f / b for f, b in zip(times["flat"], times["bucketed"])), 4),
+                      # The check's share of a sync: what a verified round takes beyond an unverified one.
+                      "verify_share": round(1 - med["unverified"] / med["bucketed"], 4),
+                      "paired_verify_share": round(statistics.median(
+                          1 - u / b for u, b in zip(times["unverified"], times["bucketed"])), 4)})
         return lines
 
 
@@ -396,6 +409,7 @@ def main(argv=None) -> int:
                       "link_mbit": args.link_mbit,
                       "cpu_count": os.cpu_count(),
                       "bucketed_over_flat": worst["bucketed_over_flat"],
+                      "verify_share_max": max(c["verify_share"] for c in comparisons),
                       "worst_case": {"model_mb": worst["model_mb"], "bucket_mb": worst["bucket_mb"]},
                       "by_size": [{k: c[k] for k in ("model_mb", "bucket_mb", "buckets", "flat_gbps", "bucketed_gbps",
                                                       "nocopy_gbps", "bucketed_over_flat")} for c in comparisons],

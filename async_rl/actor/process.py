@@ -168,8 +168,12 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
                 log.info("actor %d leaving: %s", actor_id, reply.reason)
                 return 0
             if isinstance(reply, SyncOrder):
-                if not syncer.follow(reply):
-                    time.sleep(0.05)
+                try:
+                    if not syncer.follow(reply):
+                        time.sleep(0.05)
+                except LeaveNow as leave:
+                    log.error("actor %d leaving: %s", actor_id, leave.why)
+                    return leave.code
             elif isinstance(reply, EvalGrant):
                 with spans.span("eval", groups=len(reply.prompt_ids)):
                     push.send_multipart(evaluate_chunk(rollout, reply, actor_id, cfg.eval.threads), copy=False)

@@ -9,10 +9,15 @@ import time
 
 from async_rl.actor.hub_client import HubClient
 from async_rl.run.tracing import SpanRecorder
-from async_rl.weight_transfer.errors import SyncAbandoned, describe
-from async_rl.wire import Goodbye, SyncDone, SyncOrder, Wait, WorkRequest, send
+from async_rl.weight_transfer.errors import SyncAbandoned, WeightMismatch, describe
+from async_rl.wire import Goodbye, SyncDone, SyncOrder, Wait, WeightsRejected, WorkRequest, send
+from async_rl.wire.messages import MAX_FAILURE_NOTE
 
 log = logging.getLogger("async_rl.actor")
+
+# Weights that fail their check this many syncs in a row: something on this actor's side
+# (its memory, its link) corrupts them, and a fresh process is the remedy.
+MAX_REJECTED_IN_A_ROW = 3
 
 
 class Syncer:
@@ -24,16 +29,27 @@ class Syncer:
         self.hub, self.receiver, self.engine, self.state, self.spans = hub, receiver, engine, state, spans
         self.failed_epoch = -1
         self.completed = 0  # syncs completed
+        self.rejected_in_a_row = 0  # syncs whose weights failed their check, since the last that passed
 
     def follow(self, order: SyncOrder) -> bool:
         """Join the broadcast `order` names; False if the epoch had already failed here
-        (the hub has not seen it yet), without trying again."""
+        (the hub has not seen it yet), without trying again. LeaveNow after
+        MAX_REJECTED_IN_A_ROW rejected syncs in a row."""
         if order.epoch <= self.failed_epoch:
             return False
-        if _sync(self.hub, self.receiver, self.engine, order, self.state, self.spans):
+        outcome = _sync(self.hub, self.receiver, self.engine, order, self.state, self.spans)
+        if outcome == "done":
             self.completed += 1
-        else:
-            self.failed_epoch = order.epoch
+            self.rejected_in_a_row = 0
+            return True
+        self.failed_epoch = order.epoch
+        if self.receiver.broken is not None:
+            raise LeaveNow(1, f"its weights can no longer be updated: {self.receiver.broken}")
+        if outcome == "rejected":
+            self.rejected_in_a_row += 1
+            if self.rejected_in_a_row >= MAX_REJECTED_IN_A_ROW:
+                raise LeaveNow(1, f"the weights it received failed their check {self.rejected_in_a_row} syncs in a "
+                                  "row; a restarted actor starts from fresh memory")
         return True
 
 
@@ -90,20 +106,29 @@ class InFlight:
 
 
 def _sync(hub: HubClient, receiver, engine, order: SyncOrder, state: dict,
-          spans: SpanRecorder) -> bool:
+          spans: SpanRecorder) -> str:
     """Take part in the broadcast `order` names. A broadcast that breaks off (a peer
-    killed, a timeout, rank 0 abandoning the epoch) costs one log line, not the actor."""
+    killed, a timeout, rank 0 abandoning the epoch) costs one log line, not the actor.
+    Weights that did not arrive as sent are not used, and the hub is told, so that
+    rank 0 sends them again in a new epoch. Returns "done", "failed" or "rejected"."""
     actor_id = state["actor_id"]
     try:
         with spans.span("sync", version=order.version):
             receiver.receive(epoch=order.epoch, rank=order.rank, world_size=order.world_size,
-                             store_host=order.store_host, store_port=order.store_port)
+                             store_host=order.store_host, store_port=order.store_port, version=order.version)
+    except WeightMismatch as err:
+        kept = f"keeping version {state['version']}" if receiver.intact else "generating nothing until a sync"
+        log.error("actor %d: rejected the weights of version %d (epoch %d): %s; %s", actor_id, order.version,
+                  order.epoch, err, kept)
+        send(hub.sock, WeightsRejected(actor_id=actor_id, epoch=order.epoch, version=order.version,
+                                       reason=str(err)[:MAX_FAILURE_NOTE]))
+        return "rejected"
     except Exception as err:
         level = logging.INFO if isinstance(err, SyncAbandoned) else logging.WARNING
         log.log(level, "actor %d: weight sync of version %d (epoch %d) failed (%s); %s", actor_id, order.version,
                 order.epoch, describe(err),
                 "weights unchanged" if receiver.intact else "weights half-updated, generating nothing until a sync")
-        return False
+        return "failed"
     engine.set_version(order.version)
     state["version"] = order.version
     send(hub.sock, SyncDone(actor_id=actor_id, epoch=order.epoch, version=order.version))
@@ -112,4 +137,4 @@ def _sync(hub: HubClient, receiver, engine, order: SyncOrder, state: dict,
     state["epoch"] = order.epoch
     log.log(level, "actor %d synced to version %d (epoch %d, %s)", actor_id, order.version, order.epoch,
             receiver.transport)
-    return True
+    return "done"

@@ -45,6 +45,7 @@ from async_rl.wire import (
     SyncOrder,
     TraceSpans,
     Wait,
+    WeightsRejected,
     Welcome,
     WireLimits,
     WorkGrant,
@@ -93,6 +94,7 @@ class Coordinator:
         self.actors = ActorRegistry()
         self.granted: dict[int, Grant] = {}  # admission index -> who generates it
         self.reissue: deque[int] = deque()  # indices whose actor died before delivering
+        self.weights_rejected = 0  # syncs an actor received and refused: not what rank 0 sent
         self._stopping = threading.Event()  # from now on every actor is told to leave
         self._lock = threading.Lock()  # held while messages are handled; see snapshot()
         self.hub = Hub(cfg, self.rejects, self._lock)
@@ -133,7 +135,8 @@ class Coordinator:
         with self._lock:
             counts = {prefix: dict(self.errors[field]) for field, prefix in ERROR_FIELDS.items()}
             return {"staleness/dropped": self.buffer.dropped, "wire/rejected": self.rejects.total,
-                    "actors/live": len(self.actors), "data/prompts_admitted": self.admission.admitted,
+                    "actors/live": len(self.actors), "sync/rejected": self.weights_rejected,
+                    "data/prompts_admitted": self.admission.admitted,
                     "data/prompts_consumed": self.buffer.consumed, "data/prompts_skipped": len(self.admission.skipped),
                     "memory/actor_peak_rss_gb": self.actors.peak_rss_mb() / 1024,
                     **{f"{prefix}/errors": sum(by_reason.values()) for prefix, by_reason in counts.items()},
@@ -241,6 +244,8 @@ class Coordinator:
         elif isinstance(msg, SyncDone):
             actor.version = max(actor.version, msg.version)
             actor.synced = (msg.epoch, msg.version)
+        elif isinstance(msg, WeightsRejected):
+            self._weights_rejected(actor, msg)
         elif isinstance(msg, Goodbye):
             self._remove(actor.actor_id, "said goodbye", level=logging.INFO)
         elif isinstance(msg, WorkRequest):
@@ -255,6 +260,17 @@ class Coordinator:
         else:
             self.rejects.reject("unexpected_kind")
         return None
+
+    def _weights_rejected(self, actor: ActorInfo, msg: WeightsRejected) -> None:
+        """The actor's weights of a version failed their check: it kept its last whole
+        version (or generates nothing); rank 0 sends the current one again to a new epoch."""
+        if msg.version > self.version:
+            self.rejects.reject("future_version")
+            return
+        self.weights_rejected += 1
+        log.warning("actor %d (%s) rejected the weights of version %d (epoch %d): %s; sending them again",
+                    actor.actor_id, actor.name, msg.version, msg.epoch, msg.reason)
+        self.sender.resend(msg.epoch)
 
     def _answer_work(self, actor: ActorInfo, req: WorkRequest):
         if self._stopping.is_set():

@@ -60,7 +60,7 @@ class Rank0Services:
                                         backend=collective_backend(trainer.device), device=trainer.device,
                                         timeout_s=cfg.sync.timeout_s, transport=cfg.sync.transport,
                                         port=cfg.transport.store_port, engine=engine,
-                                        double_buffer=cfg.sync.double_buffer)
+                                        double_buffer=cfg.sync.double_buffer, verify=cfg.sync.verify)
         # The run's timeline (trace.json): this thread's spans, and the actors' via the coordinator.
         self.trace = TraceWriter(self.run_dir / "trace.json", resume=resumed is not None)
         self.spans = self.trace.learner

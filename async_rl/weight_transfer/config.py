@@ -16,4 +16,5 @@ class SyncConfig(Section):
     in_flight: bool = Field(False, description="Also apply new weights between decode steps, not only between batches.")
     in_flight_poll_s: float = Field(0.05, ge=0.0, description="With in_flight: ask the hub for new weights at most this often.")
     timeout_s: float = Field(60.0, gt=0.0, description="Timeout of a sync's rendezvous and transfers.")
+    verify: bool = Field(True, description="Every actor checks the weights it received against rank 0's fingerprint before using them.")
     transport: Literal["auto", "gloo", "nccl", "cuda_ipc"] = Field("auto", description="`auto`: gloo on CPU; CUDA IPC on the learner's GPU, else NCCL.")

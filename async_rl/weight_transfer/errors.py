@@ -14,6 +14,11 @@ class EpochRejected(ValueError):
     a vLLM member whose wire layout differs from the learner's); it abandons the epoch."""
 
 
+class WeightMismatch(RuntimeError):
+    """The weights a member received are not what rank 0 sent (fingerprint.py): the
+    message names the version and the tensor; the member does not use them."""
+
+
 def describe(err: BaseException) -> str:
     """One short log line for a failed sync: gloo's messages open with a source location
     and end with a paragraph of advice."""

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:  # annotations only: this module is the package's lowest layer
     from async_rl.weight_transfer.buckets import Bucket, BucketSet
-    from async_rl.weight_transfer.store import Arrival, Group
+    from async_rl.weight_transfer.store import Arrival, Group, LearnerInfo
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,11 @@ class SenderContext:
 
 @dataclass(frozen=True)
 class ReceiverContext:
-    """What a member's end needs to reach rank 0."""
+    """What a member's end needs to reach rank 0, and rank 0's own store entry."""
     store: dist.Store
     store_host: str
     timeout_s: float
+    learner: LearnerInfo
 
 
 @dataclass(frozen=True)

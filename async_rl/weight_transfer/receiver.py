@@ -6,6 +6,12 @@ every new epoch (store.py), then lets the end receive the version. A failure dro
 end's group, so the next order joins afresh. Where the weights land is the subclass's:
 `ParameterReceiver` for a torch model here, `VLLMReceiver` (vllm/transport.py) for vLLM.
 
+Before a version is used, what landed is checked against the fingerprint rank 0 wrote
+for that sync (fingerprint.py, when its store entry says `verified`): a staged
+receiver checks the staging buckets and copies nothing on a mismatch, so it keeps its
+last version whole; an unstaged one (and vLLM) stays not `intact`. Either way the
+receive raises `WeightMismatch`, naming the version and the tensor.
+
 A torch model's parameters are re-homed at construction as views of persistent
 per-bucket flat tensors (buckets.alias_into_buckets). By default a sync, whether it
 comes down the gloo chain (and is forwarded from there) or by broadcast, lands in a
@@ -26,19 +32,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from async_rl.weight_transfer.buckets import alias_into_buckets, plan_buckets, sync_bucket_bytes
-from async_rl.weight_transfer.errors import SyncAbandoned
+from async_rl.weight_transfer.buckets import Bucket, alias_into_buckets, plan_buckets, sync_bucket_bytes
+from async_rl.weight_transfer.errors import SyncAbandoned, WeightMismatch
+from async_rl.weight_transfer.fingerprint import fingerprint, first_difference, plan_segments
 from async_rl.weight_transfer.protocol import Landing, ReceiverContext, TransportReceiver
-from async_rl.weight_transfer.store import LEARNER_KEY, LearnerInfo, decode, join, member_gives_up, run_abandonable
+from async_rl.weight_transfer.store import (
+    LEARNER_KEY,
+    Fingerprint,
+    LearnerInfo,
+    check_key,
+    decode,
+    join,
+    member_gives_up,
+    poll_store,
+    run_abandonable,
+)
 from async_rl.weight_transfer.transports import own_choice, transport_named
 
 
 class WeightReceiver:
     """Subclasses say which end to open and how a version lands (`open_end`, `deliver`).
     `intact`: the weights hold one complete version (False while a sync writes them in place).
-    `transport`: the name of the transport it receives by, once known."""
+    `transport`: the name of the transport it receives by, once known.
+    `broken`: why this process can receive no more syncs (None while it can)."""
 
     transport: str | None = None
+    broken: str | None = None
+    verify = True  # check what arrives when rank 0 sends fingerprints; off only to time the check's cost
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
@@ -46,6 +66,9 @@ class WeightReceiver:
         self._store: dist.TCPStore | None = None
         self._end: TransportReceiver | None = None
         self._epoch = -1
+        self._syncs = 0  # received in the current epoch: the next one's fingerprint is the (n+1)-th
+        self._version: int | None = None  # the version the current order names
+        self._learner: LearnerInfo | None = None
         # For `deliver`: whether rank 0 has abandoned the epoch being received (store.py).
         self.give_up: Callable[[], str | None] = lambda: None
 
@@ -55,21 +78,25 @@ class WeightReceiver:
         dropped after a failure, or a transport without one)."""
         return None if self._end is None else self._end.group
 
-    def receive(self, *, epoch: int, rank: int, world_size: int, store_host: str, store_port: int) -> None:
+    def receive(self, *, epoch: int, rank: int, world_size: int, store_host: str, store_port: int,
+                version: int | None = None) -> None:
         """Receive one version, joining `epoch` first if this member is not in it yet.
-        `world_size` is the coordinator's; the group's own comes from rank 0's decision."""
+        `world_size` is the coordinator's; the group's own comes from rank 0's decision.
+        `version`, the order's: rank 0's fingerprint must name the same (None: not compared)."""
         try:
             if self._store is None or (self._store.host, self._store.port) != (store_host, store_port):
                 store = dist.TCPStore(store_host, store_port, is_master=False,
                                       timeout=datetime.timedelta(seconds=self.timeout_s))
-                self._end, self._epoch = self.open_end(ReceiverContext(store, store_host, self.timeout_s)), -1
-                self._store = store
+                learner = decode(LearnerInfo, store.get(LEARNER_KEY), "transport entry")
+                self._end = self.open_end(ReceiverContext(store, store_host, self.timeout_s, learner))
+                self._store, self._learner, self._epoch = store, learner, -1
             if epoch != self._epoch:
                 self._end.leave()
                 group = join(self._store, epoch, rank, self._end.arrival(), self.timeout_s)
                 self._end.join(epoch, rank, group)
-                self._epoch = epoch
+                self._epoch, self._syncs = epoch, 0
             self.give_up = member_gives_up(self._store, epoch)
+            self._version = version
             self.deliver(self._end)
         except Exception as err:
             # The group may be broken (a member gone, a collective half done): never reuse
@@ -95,6 +122,25 @@ class WeightReceiver:
 
     def deliver(self, end: TransportReceiver) -> None:
         raise NotImplementedError
+
+    def check(self, plan: list[Bucket], *landed: tuple[tuple[int, ...], ...]) -> None:
+        """Compare the fingerprint of what landed (one per copy received: a vLLM worker
+        each) with the one rank 0 wrote for this sync; WeightMismatch names the version
+        and the first tensor that differs."""
+        self._syncs += 1
+        if self._learner is None or not self._learner.verified or not self.verify:
+            return
+        key = check_key(self._epoch, self._syncs)
+        reason = poll_store(self._store, [key], self.timeout_s, self.give_up)
+        if reason is not None:
+            raise SyncAbandoned(reason)
+        sent = decode(Fingerprint, self._store.get(key), "fingerprint")
+        if self._version is not None and sent.version != self._version:
+            raise WeightMismatch(f"rank 0 sent version {sent.version} where the hub's order named {self._version}")
+        for copy in landed:
+            where = first_difference(plan, sent.buckets, copy)
+            if where is not None:
+                raise WeightMismatch(f"version {sent.version} did not arrive as sent: {where} differs")
 
 
 class ParameterReceiver(WeightReceiver):
@@ -122,6 +168,7 @@ class ParameterReceiver(WeightReceiver):
         specs = [(n, tuple(p.shape), p.dtype) for n, p in params]
         self.plan = plan_buckets(specs, sync_bucket_bytes(specs, bucket_mb))
         self.buckets = alias_into_buckets(self.params, self.plan)
+        self.segments = plan_segments(self.plan)
         # Allocated once: a sync must not fail (or fragment the allocator) for want of memory.
         self.staging = [torch.empty_like(flat) for flat in self.buckets] if staged else None
         self.device = self.buckets[0].device if self.buckets else torch.device("cpu")
@@ -132,8 +179,7 @@ class ParameterReceiver(WeightReceiver):
         self._left_behind: list = []  # receives of abandoned epochs, waiting out gloo's timeout
 
     def open_end(self, side: ReceiverContext) -> TransportReceiver:
-        info = decode(LearnerInfo, side.store.get(LEARNER_KEY), "transport entry")
-        self.transport = own_choice(info, self.device)  # raises on a bad combination
+        self.transport = own_choice(side.learner, self.device)  # raises on a bad combination
         place = Landing(self.plan, self.buckets, self.staging, self.device)
         return transport_named(self.transport).receiver(side, place)
 
@@ -151,6 +197,8 @@ class ParameterReceiver(WeightReceiver):
                 raise
         else:
             end.receive()
+        # Staged, a mismatch leaves the live buckets as they were: the last version, whole.
+        self.check(self.plan, fingerprint(self.staging if end.staged else self.buckets, self.segments))
         if end.staged:
             # Only a local copy can fail from here on (a device error), but it would
             # leave a mix of two versions like a broken-off sync does.

@@ -14,6 +14,10 @@ who are there. `form_epoch` runs rank 0's half of the handshake (store.py): it g
 the arrivals, assigns each member to the transport it announced (`plan_epoch`), lets
 each of those transports prepare, writes "go", and has each form its group.
 
+Verified (`verify`, sync.verify): beside every sync a second thread computes the
+fingerprint of the bucket set as sent and writes it, with the version, to the store
+(fingerprint.py); each member checks what it received against it before using it.
+
 A sync that fails (a member died or never came) is counted and logged; the thread
 drops the epoch's groups, which releases the members still waiting, and sends the
 same version again in a new epoch. One that is abandoned (the membership changed
@@ -43,12 +47,15 @@ from async_rl.weight_transfer.buckets import (
     sync_bucket_bytes,
 )
 from async_rl.weight_transfer.errors import EpochRejected, SyncAbandoned, describe
+from async_rl.weight_transfer.fingerprint import plan_segments, sent_fingerprint
 from async_rl.weight_transfer.protocol import SenderContext, Transport, TransportSender
 from async_rl.weight_transfer.store import (
     LEARNER_KEY,
     Arrival,
+    Fingerprint,
     Group,
     abandon,
+    check_key,
     decode_arrival,
     encode,
     gather_arrivals,
@@ -59,6 +66,10 @@ from async_rl.weight_transfer.store import (
 from async_rl.weight_transfer.transports import check_transport, learner_info, served, transport_named
 
 log = logging.getLogger("async_rl.sync")
+
+# Fingerprints kept per epoch in the store: a member checks the one of the sync it just
+# received, and no member can be more than one sync behind rank 0 in an epoch.
+KEPT_FINGERPRINTS = 4
 
 
 def store_bound_to(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -82,7 +93,7 @@ def store_bound_to(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 class WeightSender:
     def __init__(self, specs: list[Spec], *, bucket_mb: float, host: str, backend: str, device: torch.device,
                  timeout_s: float, transport: str = "auto", port: int = 0, engine: str = "torch",
-                 double_buffer: bool = True):
+                 double_buffer: bool = True, verify: bool = True):
         check_transport(transport, device)
         if device.type == "cuda" and device.index is None:  # the thread's set_device needs the index
             device = torch.device("cuda", torch.cuda.current_device())
@@ -96,7 +107,8 @@ class WeightSender:
         self.device, self.timeout_s = device, timeout_s
         self.store = store_bound_to(host, port, timeout_s)
         self.host, self.port = host, self.store.port
-        self.store.set(LEARNER_KEY, encode(learner_info(transport, self.backend, device)))
+        self.verify = verify
+        self.store.set(LEARNER_KEY, encode(learner_info(transport, self.backend, device, verified=verify)))
         # gloo sends from host memory (its point-to-point ops take host pointers only), so
         # a GPU learner on gloo copies straight to the host in publish.
         bucket_device = torch.device("cpu") if self.backend == "gloo" and engine == "torch" else device
@@ -110,6 +122,9 @@ class WeightSender:
                           layout=layout_id(specs, bucket_bytes) if engine == "vllm" else None)
         self._senders = {name: _transport(name).sender(side)
                          for name in served(engine, self.backend, bucket_device)}
+        self._check_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._segments = plan_segments(self.plan)
+        self.last_fingerprint_s = 0.0  # rank 0's share of the check: the last sync's fingerprint
         self.group = None  # the current epoch's group, for analysis/bench_sync.py's reference broadcasts
         self._members: tuple[int, ...] = ()
         self._epoch = 0  # the membership epoch the next broadcast goes to
@@ -137,6 +152,14 @@ class WeightSender:
         with self.buffers.cond:
             if members != self._members:
                 self._members, self._epoch = members, self._epoch + 1
+                self.buffers.cond.notify_all()
+
+    def resend(self, epoch: int) -> None:
+        """A member refused what it received in `epoch` (its fingerprint differed): send
+        the newest version again, to a new epoch, unless one has already begun."""
+        with self.buffers.cond:
+            if epoch == self._epoch:
+                self._epoch += 1
                 self.buffers.cond.notify_all()
 
     def job(self) -> SyncJob | None:
@@ -209,10 +232,36 @@ class WeightSender:
                     self._job, buffers.reading = None, False
                     buffers.cond.notify_all()
 
-    def _send(self, epoch: Epoch, source) -> None:
+    def _send(self, epoch: Epoch, source: BucketSet) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per thread, and this one is new
-        epoch.send(source)
+        epoch.syncs += 1
+        if not self.verify:
+            epoch.send(source)
+            return
+        check = threading.Thread(target=self._write_fingerprint, args=(epoch.number, epoch.syncs, source),
+                                 name="weight-fingerprint", daemon=True)
+        check.start()
+        try:
+            epoch.send(source)
+        finally:
+            check.join(self.timeout_s)  # it reads the set, which must not be refilled meanwhile
+
+    def _write_fingerprint(self, epoch: int, n: int, source: BucketSet) -> None:
+        """The fingerprint of the epoch's n-th sync, into the store, whatever becomes of
+        the transfer: a member that received every bucket checks them against it."""
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            started = time.monotonic()
+            sums = sent_fingerprint(source, self._segments, self._check_stream)
+            self.store.set(check_key(epoch, n), encode(Fingerprint(source.version, sums)))
+            if n > KEPT_FINGERPRINTS:
+                self.store.delete_key(check_key(epoch, n - KEPT_FINGERPRINTS))
+            self.last_fingerprint_s = time.monotonic() - started
+        except Exception as err:  # the members waiting for it then fail the sync by timeout
+            log.warning("the fingerprint of version %s (epoch %s) was not written: %s", source.version, epoch,
+                        describe(err))
 
     def _give_up(self, job: SyncJob) -> str | None:
         if self.buffers.closed:
@@ -275,6 +324,7 @@ class Epoch:
 
     def __init__(self, number: int = 0, senders: tuple[TransportSender, ...] = ()):
         self.number, self.senders = number, senders
+        self.syncs = 0  # sent in this epoch; the n-th one's fingerprint is `check/<number>/<n>`
 
     @property
     def group(self) -> Any:

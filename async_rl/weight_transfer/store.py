@@ -14,6 +14,8 @@ never pickle), and a malformed value raises `ValueError` naming what was malform
     ipc/handles/<set>            IpcHandles    one bucket set's CUDA-IPC handles
     ipc/<epoch>/<seq>            IpcOrder      "copy this set now"
     ipc/<epoch>/<seq>/done/<r>   (empty)       member r copied it; the key is the message
+    check/<epoch>/<n>            Fingerprint   the version of the epoch's n-th sync and its
+                                               buckets' fingerprint (fingerprint.py)
 
 The handshake, whatever the transport:
 1. arrival: every member writes `arrived/<epoch>/<rank>`, an `Arrival` naming how it
@@ -64,11 +66,13 @@ class _Record(Struct, frozen=True, forbid_unknown_fields=True):
 
 class LearnerInfo(_Record):
     """Rank 0's entry: the configured `sync.transport`, its group's backend, and its own
-    host and GPU, from which each actor decides how it receives (transports.py)."""
+    host and GPU, from which each actor decides how it receives (transports.py);
+    `verified`: every sync's fingerprint follows it (`check/...`, sync.verify)."""
     transport: Literal["auto", "gloo", "nccl", "cuda_ipc"]
     backend: Literal["gloo", "nccl"]
     host: Annotated[str, Meta(max_length=255)]
     gpu: Annotated[str, Meta(max_length=64)] | None  # the GPU's UUID; None on CPU
+    verified: bool = True
 
 
 class Arrival(_Record):
@@ -124,6 +128,12 @@ class IpcOrder(_Record):
     version: Count
 
 
+class Fingerprint(_Record):
+    """What rank 0 sent in one sync: the version, and each bucket's chunk sums (fingerprint.py)."""
+    version: Count
+    buckets: Annotated[tuple[Annotated[tuple[int, ...], Meta(max_length=1 << 20)], ...], Meta(max_length=1 << 16)]
+
+
 LEARNER_KEY = "transport"
 
 
@@ -149,6 +159,10 @@ def ipc_order_key(epoch: int, seq: int) -> str:
 
 def ipc_done_key(epoch: int, seq: int, rank: int) -> str:
     return f"ipc/{epoch}/{seq}/done/{rank}"
+
+
+def check_key(epoch: int, n: int) -> str:
+    return f"check/{epoch}/{n}"
 
 
 def encode(record: Struct) -> bytes:

@@ -68,8 +68,9 @@ def choose_transport(requested: str, device: torch.device, *, learner_backend: s
     return learner_backend  # gloo takes CUDA tensors too (a CPU learner, GPU actors)
 
 
-def learner_info(requested: str, backend: str, device: torch.device) -> LearnerInfo:
-    return LearnerInfo(requested, backend, socket.gethostname(), gpu_identity(device))  # type: ignore[arg-type]
+def learner_info(requested: str, backend: str, device: torch.device, verified: bool = True) -> LearnerInfo:
+    return LearnerInfo(requested, backend, socket.gethostname(), gpu_identity(device),  # type: ignore[arg-type]
+                       verified)
 
 
 def own_choice(info: LearnerInfo, device: torch.device) -> str:

@@ -164,6 +164,17 @@ class SyncDone(Message, tag="sync_done"):
     version: Count
 
 
+class WeightsRejected(Message, tag="weights_rejected"):
+    """actor -> hub: the weights of ``version`` did not arrive as learner rank 0 sent them
+    (their fingerprint differs, weight_transfer/fingerprint.py); ``reason`` names the
+    tensor. The actor keeps its last whole version, or generates nothing until a sync."""
+
+    actor_id: Count
+    epoch: Count
+    version: Count
+    reason: Annotated[str, Meta(max_length=MAX_FAILURE_NOTE)]
+
+
 class Heartbeat(Message, tag="heartbeat"):
     """actor -> hub: still alive."""
 
@@ -380,6 +391,6 @@ class TraceSpans(Message, tag="trace_spans", eq=False):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {cls.KIND: cls for cls in (
-    Hello, Welcome, WorkRequest, WorkGrant, EvalGrant, Wait, SyncOrder, SyncDone, Heartbeat, Goodbye,
+    Hello, Welcome, WorkRequest, WorkGrant, EvalGrant, Wait, SyncOrder, SyncDone, WeightsRejected, Heartbeat, Goodbye,
     ExperienceGroup, EvalResult, TraceSpans)}
 AnyMessage = Union[tuple(MESSAGE_TYPES.values())]  # noqa: UP007 (built from a tuple) the tagged union one decoder reads

@@ -21,7 +21,7 @@ def test_bench_sync_prints_consistent_json():
     assert summary["kind"] == "summary" and summary["device"] == "cpu" and summary["backend"] == "gloo"
 
     modes = {m["mode"]: m for m in measurements}
-    assert {"flat", "bucketed", "nocopy"} <= set(modes)
+    assert {"flat", "bucketed", "unverified", "nocopy"} <= set(modes)
     for m in measurements:
         assert m["reps"] == 3 and len(m["times_s"]) == 3 and all(t > 0 for t in m["times_s"])
         assert m["median_s"] > 0 and m["gbps"] > 0 and m["receivers"] == 1 and m["device"] == "cpu"
@@ -29,6 +29,7 @@ def test_bench_sync_prints_consistent_json():
     assert modes["bucketed"]["buckets"] > 1  # 0.5 MB buckets: the model spans several
     assert all(m["schedule"] == "chain" for m in measurements)  # gloo, several buckets
     assert modes["bucketed"]["publish_median_s"] > 0 and modes["bucketed"]["wire_median_s"] > 0
+    assert modes["bucketed"]["fingerprint_median_s"] > 0  # rank 0 fingerprinted the verified rounds
 
     (cmp,) = comparisons
     assert cmp["flat_gbps"] == modes["flat"]["gbps"] and cmp["bucketed_gbps"] == modes["bucketed"]["gbps"]
@@ -36,6 +37,8 @@ def test_bench_sync_prints_consistent_json():
     assert abs(cmp["bucketed_over_flat"] - ratio) < 1e-3 * cmp["bucketed_over_flat"] + 1e-3
     assert summary["bucketed_over_flat"] == cmp["bucketed_over_flat"]
     assert summary["meets_0_8"] == (summary["bucketed_over_flat"] >= 0.8)
+    share = 1 - modes["unverified"]["median_s"] / modes["bucketed"]["median_s"]
+    assert abs(cmp["verify_share"] - share) < 1e-3 and summary["verify_share_max"] == cmp["verify_share"]
 
 
 def test_bench_sync_across_rate_limited_nodes(tmp_path):

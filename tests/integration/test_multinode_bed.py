@@ -116,6 +116,7 @@ def test_learner_and_actor_nodes_reach_each_other_at_their_own_addresses(bed, tm
 
 
 @pytest.mark.extended
+@pytest.mark.timeout(240)  # 85 s on a quiet 2-core machine: three nodes' processes share its cores
 def test_the_demo_learns_across_the_nodes(bed, tmp_path):
     result = run_on_bed(bed, tmp_path, ["train.max_steps=300", "eval.every=100"])
     steps, evals = read_metrics(result["run"])

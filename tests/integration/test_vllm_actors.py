@@ -32,9 +32,10 @@ pytestmark = pytest.mark.vllm
 BUCKET_MB = 0.05  # the demo-sized model in about 14 chunks
 
 
-def actor(model_dir: str, conn, die_after_chunks: int | None) -> None:
+def actor(model_dir: str, conn, die_after_chunks: int | None, corrupt_chunk: int | None = None) -> None:
     """A vLLM actor's weight side, driven over a pipe; with `die_after_chunks` its process
-    is killed (SIGKILL, no clean-up) once that many chunks have arrived."""
+    is killed (SIGKILL, no clean-up) once that many chunks have arrived; with
+    `corrupt_chunk`, that chunk of its first sync arrives with one bit flipped."""
     torch.set_num_threads(1)
     from async_rl.actor.engines import make_engine
 
@@ -52,13 +53,26 @@ def actor(model_dir: str, conn, die_after_chunks: int | None) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         vllm_gloo.broadcast = broadcast_then_die
+    if corrupt_chunk is not None:
+        from async_rl.weight_transfer.vllm import gloo_plugin as vllm_gloo
+
+        real_broadcast, chunks = vllm_gloo.broadcast, [0]
+
+        def broadcast_corrupted(group, tensor):
+            real_broadcast(group, tensor)
+            chunks[0] += 1
+            if chunks[0] == corrupt_chunk:
+                tensor[7] ^= 0x01
+
+        vllm_gloo.broadcast = broadcast_corrupted
     conn.send("ready")
     while True:
         command, *args = conn.recv()
         if command == "sync":
             version, epoch, rank, world, host, port = args
             try:
-                receiver.receive(epoch=epoch, rank=rank, world_size=world, store_host=host, store_port=port)
+                receiver.receive(epoch=epoch, rank=rank, world_size=world, store_host=host, store_port=port,
+                                 version=version)
                 engine.set_version(version)
                 conn.send(("ok", receiver.intact))
             except Exception as err:
@@ -71,13 +85,14 @@ def actor(model_dir: str, conn, die_after_chunks: int | None) -> None:
 
 
 class Actors:
-    def __init__(self, model_dir: str, dying: dict[int, int]):
+    def __init__(self, model_dir: str, dying: dict[int, int], corrupting: dict[int, int] | None = None):
         ctx = mp.get_context("spawn")
         self.procs, self.conns = {}, {}
         for actor_id in (1, 2, 3):
             parent, child = ctx.Pipe()
-            self.procs[actor_id] = ctx.Process(target=actor, args=(model_dir, child, dying.get(actor_id)),
-                                               daemon=True)
+            self.procs[actor_id] = ctx.Process(
+                target=actor, args=(model_dir, child, dying.get(actor_id), (corrupting or {}).get(actor_id)),
+                daemon=True)
             self.procs[actor_id].start()
             self.conns[actor_id] = parent
         for actor_id in self.conns:
@@ -149,6 +164,34 @@ def test_actor_killed_mid_broadcast_then_a_newcomer(tmp_path) -> None:
         while bc.completed < 2 and time.time() < deadline:
             time.sleep(0.05)
         assert bc.completed == 2
+    finally:
+        actors.close()
+        bc.close(wait_s=5)
+
+
+def test_a_chunk_corrupted_in_flight_is_refused_and_sent_again(tmp_path) -> None:
+    model_dir = save_model(tmp_path / "model", seed=0)
+    learner = learner_like(model_dir, seed=1)
+    want = [g[0].tokens.tolist() for g in TorchEngine(learner, device="cpu").generate(PROMPTS, max_new_tokens=10,
+                                                                                       greedy=True)]
+    specs = [(n, tuple(p.shape), p.dtype) for n, p in learner.named_parameters()]
+    bc = WeightSender(specs, bucket_mb=BUCKET_MB, host="127.0.0.1", backend="gloo", device=torch.device("cpu"),
+                      timeout_s=10, engine="vllm")
+    actors = Actors(model_dir, dying={}, corrupting={1: 3})
+    try:
+        bc.set_members([1, 2])
+        bc.publish(1, iter(learner.named_parameters()))
+        job = wait_for_job(bc, [1, 2])
+        answers = actors.sync(bc, job, [1, 2], 1)
+        assert answers[2] == ("ok", True)
+        message, intact = answers[1]
+        names = [e.name for e in bc.plan[2].entries]  # the third chunk
+        assert message.startswith(f"failed: version 1 did not arrive as sent: {names[0]} (bucket 2, bytes 0-")
+        assert not intact  # vLLM loaded it in place: nothing is generated until a sync passes
+        bc.resend(job.epoch)  # what the hub does when the actor reports it
+        again = wait_for_job(bc, [1, 2], newer_than=job.epoch)
+        assert actors.sync(bc, again, [1, 2], 1) == {1: ("ok", True), 2: ("ok", True)}
+        assert actors.greedy(1) == want
     finally:
         actors.close()
         bc.close(wait_s=5)

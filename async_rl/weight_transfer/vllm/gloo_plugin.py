@@ -17,7 +17,9 @@ Received weights go through vLLM's layerwise reload, as with NCCL: `model.load_w
 between `initialize_layerwise_reload` and `finalize_layerwise_reload`. A plain
 `load_weights` would fail on a CPU, where vLLM repacks linear weights for oneDNN and
 leaves the parameters empty. Each chunk gets a fresh buffer, since the reload keeps
-references to the views of a layer until the whole layer has arrived.
+references to the views of a layer until the whole layer has arrived. Each chunk's
+fingerprint is taken as it arrives, before it is loaded (`received`, which the actor
+reads through `LLM.collective_rpc` and checks against rank 0's: transport.py).
 
 Imported only inside vLLM's processes (it imports vLLM).
 """
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from async_rl.weight_transfer.buckets import plan_packed
+from async_rl.weight_transfer.fingerprint import segment_sums, segments
 from async_rl.weight_transfer.groups import broadcast, new_group
 
 BACKEND = "async_rl_gloo"  # the WeightTransferConfig backend name
@@ -68,6 +71,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group: dist.ProcessGroup | None = None
         self.store: dist.TCPStore | None = None
         self.buffer_bytes = 0
+        self.received: tuple[tuple[int, ...], ...] = ()  # the last update's fingerprint (fingerprint.py)
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.shutdown()  # a new epoch: the old group is gone on rank 0's side too
@@ -101,11 +105,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         specs = [(name, tuple(shape), getattr(torch, dtype))
                  for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes)]
         dtypes = {name: dtype for name, _, dtype in specs}
+        self.received, sums = (), []
         for chunk in plan_packed(specs, self.buffer_bytes):
             buffer = torch.empty(chunk.numel, dtype=torch.uint8)
             broadcast(self.group, buffer)  # gloo: bounded by the group's timeout
+            sums.append(tuple(segment_sums(buffer, segments(chunk)).tolist()))
             self.model.load_weights([(e.name, buffer[e.offset:e.offset + e.numel].view(dtypes[e.name]).view(e.shape))
                                      for e in chunk.entries])
+        self.received = tuple(sums)
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which a CPU torch refuses.
@@ -116,11 +123,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: make BACKEND known to vLLM's factory, in
-    every process vLLM starts (and again in ours, where that is harmless)."""
+    """The `vllm.general_plugins` entry point: make BACKEND, and the GPU's engine
+    (nccl_plugin.py, loaded when first used), known to vLLM's factory, in every process
+    vLLM starts (and again in ours, where that is harmless)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
-    except ValueError:  # the factory refuses a name twice: already registered in this process
-        pass
+    engines = {BACKEND: (GlooWeightTransferEngine,),
+               "async_rl_nccl": ("async_rl.weight_transfer.vllm.nccl_plugin", "TimedNcclWeightTransferEngine")}
+    for name, engine in engines.items():
+        try:
+            WeightTransferEngineFactory.register_engine(name, *engine)
+        except ValueError:  # the factory refuses a name twice: already registered in this process
+            pass

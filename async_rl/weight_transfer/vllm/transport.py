@@ -4,10 +4,11 @@ whose weights live in vLLM, through vLLM's weight-transfer API.
 One code path on a CPU and on a GPU; only the communicator differs, chosen by the
 learner's device (its `LearnerInfo.backend`, which each actor checks against its own):
 
-- GPU (`nccl`): vLLM's own engine (`WeightTransferConfig(backend="nccl")`); the epoch's
-  group is vLLM's `StatelessProcessGroup` on a port rank 0 reserves, named in
-  `Group.port`, then PyNccl (nccl_group.py); timeouts on the rendezvous and the host's
-  wait (PyNccl has none).
+- GPU (`nccl`): vLLM's NCCL engine with a timeout on every chunk and its fingerprint
+  (nccl_plugin.py, `backend="async_rl_nccl"`); the epoch's group is vLLM's
+  `StatelessProcessGroup` on a port rank 0 reserves, named in `Group.port`, then
+  PyNccl (nccl_group.py); timeouts on the rendezvous and on the host's waits at both
+  ends (PyNccl has none of its own).
 - CPU (`gloo`): our plugin engine (`backend="async_rl_gloo"`, gloo_plugin.py); the
   epoch's group is gloo on rank 0's store under the epoch's prefix (groups.new_group),
   as every torch transport's; every collective times out at `sync.timeout_s`.
@@ -27,7 +28,10 @@ The rest is shared:
 vLLM receives in place (sync.stage_on_actors does not apply): a broadcast that breaks
 off still finishes the update, so vLLM keeps a whole model of old and new layers, and
 the receiver reports it not `intact` until a later sync completes (the actor then
-generates nothing, as an unstaged torch receiver).
+generates nothing, as an unstaged torch receiver). Likewise for a version whose chunks
+did not arrive as sent: each worker's engine takes every chunk's fingerprint before
+loading it, the actor collects them (`LLM.collective_rpc(landed_fingerprint)`) and
+checks them against rank 0's (receiver.py), and a mismatch leaves it not `intact`.
 """
 from __future__ import annotations
 
@@ -36,12 +40,12 @@ from typing import Any
 
 import torch
 
-from async_rl.weight_transfer.buckets import BucketSet, Spec, layout_id
+from async_rl.weight_transfer.buckets import BucketSet, Spec, layout_id, plan_packed
 from async_rl.weight_transfer.errors import EpochRejected
 from async_rl.weight_transfer.groups import broadcast_async, new_group, wait_all
 from async_rl.weight_transfer.protocol import ReceiverContext, SenderContext, Transport
 from async_rl.weight_transfer.receiver import WeightReceiver
-from async_rl.weight_transfer.store import LEARNER_KEY, Arrival, Group, LearnerInfo, decode
+from async_rl.weight_transfer.store import Arrival, Group
 from async_rl.weight_transfer.vllm.api import (
     init_info,
     place_wire_params,
@@ -52,6 +56,7 @@ from async_rl.weight_transfer.vllm.api import (
 )
 
 GLOO_BACKEND = "async_rl_gloo"  # gloo_plugin.BACKEND (that module imports vLLM, this one must not)
+NCCL_BACKEND = "async_rl_nccl"  # nccl_plugin.BACKEND
 
 
 def wire_dtype(vllm_dtype: str) -> torch.dtype:
@@ -63,7 +68,7 @@ def wire_dtype(vllm_dtype: str) -> torch.dtype:
 
 def vllm_backend(communicator: str) -> str:
     """The `WeightTransferConfig(backend=...)` a vLLM actor needs for `communicator`."""
-    return "nccl" if communicator == "nccl" else GLOO_BACKEND
+    return NCCL_BACKEND if communicator == "nccl" else GLOO_BACKEND
 
 
 def check_arrivals(arrivals: dict[int, Arrival], layout: str | None) -> int:
@@ -142,10 +147,10 @@ class VLLMTransportReceiver:
     staged = False  # vLLM receives in place
 
     def __init__(self, side: ReceiverContext, place: VLLMPlace):
-        learner = decode(LearnerInfo, side.store.get(LEARNER_KEY), "transport entry")
-        if learner.backend != place.communicator:
-            raise ValueError(f"the learner sends weights over {learner.backend}, but this vLLM actor was built to "
-                             f"receive over {place.communicator}: learner and vLLM actors need the same model.device")
+        if side.learner.backend != place.communicator:
+            raise ValueError(f"the learner sends weights over {side.learner.backend}, but this vLLM actor was built "
+                             f"to receive over {place.communicator}: learner and vLLM actors need the same "
+                             "model.device")
         self.side, self.place = side, place
 
     def arrival(self) -> Arrival:
@@ -158,6 +163,7 @@ class VLLMTransportReceiver:
                 raise ValueError(f"rank 0's decision for epoch {epoch} names no port for vLLM's rendezvous")
             info = init_info(master_address=self.side.store_host, master_port=group.port,
                              rank=group.ranks.index(rank) + 1, world_size=world, workers_per_engine=self.place.workers)
+            info.update(timeout_s=self.side.timeout_s)
         else:  # the epoch's gloo group forms on rank 0's own store, under the epoch's prefix
             info = init_info(master_address=self.side.store_host, master_port=self.side.store.port,
                              rank=group.ranks.index(rank) + 1, world_size=world, workers_per_engine=self.place.workers)
@@ -174,8 +180,18 @@ class VLLMTransportReceiver:
             # nothing, and the model runs again, of two versions (not `intact`).
             llm.finish_weight_update()
 
+    def landed(self) -> list[tuple[tuple[int, ...], ...] | None]:
+        """Each worker's fingerprint of the chunks it last received."""
+        return self.place.llm.collective_rpc(landed_fingerprint, timeout=self.side.timeout_s)
+
     def leave(self) -> None:
         pass
+
+
+def landed_fingerprint(worker: Any) -> tuple[tuple[int, ...], ...] | None:
+    """Run in each vLLM worker: what its weight-transfer engine recorded of the last
+    update (None for an engine that records nothing)."""
+    return getattr(getattr(worker, "weight_transfer_engine", None), "received", None)
 
 
 class VLLMReceiver(WeightReceiver):
@@ -193,20 +209,30 @@ class VLLMReceiver(WeightReceiver):
         arrival = Arrival("vllm", workers_per_engine, layout_id(specs, int(bucket_mb * 2**20)))
         self.place = VLLMPlace(llm, communicator, workers_per_engine, arrival, init_extra,
                                {**update_info(specs), **update_extra})
+        self.plan = plan_packed(specs, int(bucket_mb * 2**20))
 
     def open_end(self, side: ReceiverContext) -> VLLMTransportReceiver:
         return VLLMTransportReceiver(side, self.place)
 
     def deliver(self, end: VLLMTransportReceiver) -> None:
         self.intact = False
-        end.receive()
+        try:
+            end.receive()
+        except TimeoutError as err:
+            if self.place.communicator == "nccl":  # its broadcast stays queued on the stream (nccl_plugin.py)
+                self.broken = str(err)
+            raise
+        landed = end.landed()  # one per worker, each of which received every chunk
+        if any(fingerprint is None for fingerprint in landed):
+            raise RuntimeError("this vLLM's weight-transfer engine records no fingerprint of what it received")
+        self.check(self.plan, *landed)
         self.intact = True
 
 
 def info_fields(communicator: str) -> tuple[list[str], list[str]]:
     """The field names of the installed vLLM engine's init and update info."""
     if communicator == "nccl":
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine as engine
+        from async_rl.weight_transfer.vllm.nccl_plugin import TimedNcclWeightTransferEngine as engine
     else:
         from async_rl.weight_transfer.vllm.gloo_plugin import GlooWeightTransferEngine as engine
     return [f.name for f in fields(engine.init_info_cls)], [f.name for f in fields(engine.update_info_cls)]

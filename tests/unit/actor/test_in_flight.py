@@ -19,6 +19,7 @@ from async_rl.actor.engines.torch_engine import TorchEngine
 from async_rl.actor.sync import InFlight, LeaveNow, Syncer
 from async_rl.run.metrics import version_mix
 from async_rl.run.tracing import SpanRecorder
+from async_rl.weight_transfer.errors import WeightMismatch
 from async_rl.wire import (
     ExperienceGroup,
     Goodbye,
@@ -27,6 +28,7 @@ from async_rl.wire import (
     SyncDone,
     SyncOrder,
     Wait,
+    WeightsRejected,
     WireLimits,
     WorkGrant,
     WorkRequest,
@@ -201,11 +203,12 @@ class ScriptedReceiver:
     """Stands in for ParameterReceiver: each receive() runs the next action on the engine."""
 
     transport = "scripted"
+    broken = None
 
     def __init__(self, engine: TorchEngine, *actions) -> None:
         self.engine, self.actions, self.intact, self.epochs = engine, list(actions), True, []
 
-    def receive(self, *, epoch, rank, world_size, store_host, store_port) -> None:
+    def receive(self, *, epoch, rank, world_size, store_host, store_port, version=None) -> None:
         self.epochs.append(epoch)
         self.actions.pop(0)(self)
 
@@ -338,3 +341,41 @@ def test_hub_answers_polls_during_a_grant_and_takes_mixed_version_groups(tmp_pat
 
 
 # ----------------------------------------------------------------- a real run
+
+
+def reject(receiver: ScriptedReceiver) -> None:
+    """Every bucket arrived, but not as rank 0 sent it: nothing copied (staged)."""
+    raise WeightMismatch("version 1 did not arrive as sent: w (bucket 0, bytes 0-8) differs")
+
+
+def test_refused_weights_are_reported_and_three_refusals_in_a_row_make_the_actor_leave() -> None:
+    hub = ScriptedHub()
+    engine = new_engine()
+    receiver = ScriptedReceiver(engine, reject, complete, reject, reject, reject)
+    syncer = Syncer(hub, receiver, engine, {"actor_id": 3, "version": 0, "generated": 0, "epoch": -1},
+                    SpanRecorder(enabled=False))
+    assert syncer.follow(order(1, 1)) and engine.version == 0  # refused: the version stays
+    rejected = hub.sent[0]
+    assert isinstance(rejected, WeightsRejected) and (rejected.actor_id, rejected.epoch, rejected.version) == (3, 1, 1)
+    assert rejected.reason == "version 1 did not arrive as sent: w (bucket 0, bytes 0-8) differs"
+    assert syncer.follow(order(2, 1)) and engine.version == 1 and syncer.rejected_in_a_row == 0
+    syncer.follow(order(3, 2))
+    syncer.follow(order(4, 2))
+    with pytest.raises(LeaveNow) as leave:
+        syncer.follow(order(5, 2))
+    assert leave.value.code == 1 and "failed their check 3 syncs in a row" in leave.value.why
+    assert [type(m) for m in hub.sent] == [WeightsRejected, SyncDone, WeightsRejected, WeightsRejected,
+                                          WeightsRejected]
+
+
+def test_a_receiver_that_can_receive_no_more_makes_the_actor_leave() -> None:
+    def stuck(receiver: ScriptedReceiver) -> None:
+        receiver.intact, receiver.broken = False, "a broadcast stays queued on its GPU stream"
+        raise TimeoutError("the broadcast did not finish within 8s")
+
+    engine = new_engine()
+    syncer = Syncer(ScriptedHub(), ScriptedReceiver(engine, stuck), engine,
+                    {"actor_id": 3, "version": 0, "generated": 0, "epoch": -1}, SpanRecorder(enabled=False))
+    with pytest.raises(LeaveNow) as leave:
+        syncer.follow(order(1, 1))
+    assert leave.value.code == 1 and "can no longer be updated: a broadcast stays queued" in leave.value.why

@@ -84,9 +84,9 @@ def test_no_import_cycle_among_engines_and_weight_transfer():
 def test_each_module_imports_on_its_own():
     """In one fresh interpreter: every module of the two packages imported with no
     async_rl module loaded before it; importing weight_transfer loads no engine module. A
-    module that runs inside an optional library (vllm/gloo_plugin.py, inside vLLM) only where
-    that library is installed."""
-    optional = {"async_rl.weight_transfer.vllm.gloo_plugin": "vllm"}
+    module that runs inside an optional library (vllm/gloo_plugin.py and vllm/nccl_plugin.py,
+    inside vLLM) only where that library is installed."""
+    optional = {f"async_rl.weight_transfer.vllm.{name}": "vllm" for name in ("gloo_plugin", "nccl_plugin")}
     modules = sorted(name for name in module_names()
                      if in_scope(name) and (name not in optional or importlib.util.find_spec(optional[name])))
     script = f"""

@@ -250,19 +250,27 @@ def test_the_plugin_comes_from_our_entry_point() -> None:
 
 def test_the_gpu_paths_payloads_fit_vllms_nccl_engine() -> None:
     """The NCCL path cannot run here, but what it hands vLLM can be checked: the init and
-    update infos a GPU vLLM actor sends build vLLM's own NCCL dataclasses, with the
-    packing where this vLLM declares it (the handshake's init info)."""
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+    update infos a GPU vLLM actor sends build the dataclasses of our timed NCCL engine
+    (vLLM's own, plus the timeout), with the packing where this vLLM declares it (the
+    handshake's init info), and the engine is registered under the backend a GPU actor asks for."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
 
     from async_rl.weight_transfer.vllm.api import init_info
-    from async_rl.weight_transfer.vllm.transport import VLLMReceiver
+    from async_rl.weight_transfer.vllm.nccl_plugin import TimedNcclWeightTransferEngine as NCCLWeightTransferEngine
+    from async_rl.weight_transfer.vllm.transport import VLLMReceiver, vllm_backend
+
+    load_general_plugins()  # what vLLM runs in every process it starts: our entry point among them
+    assert WeightTransferEngineFactory._registry[vllm_backend("nccl")] is not None
 
     specs = [("model.embed_tokens.weight", (16, 64), torch.bfloat16), ("model.norm.weight", (64,), torch.bfloat16)]
     place = VLLMReceiver(object(), specs, bucket_mb=2, communicator="nccl", timeout_s=5).place
     assert place.init_extra == {"packed": True, "packed_buffer_size_bytes": 2 * 2**20, "packed_num_buffers": 2}
     init = NCCLWeightTransferEngine.init_info_cls(
-        **init_info(master_address="10.0.0.2", master_port=29500, rank=2, world_size=3), **place.init_extra)
+        **init_info(master_address="10.0.0.2", master_port=29500, rank=2, world_size=3), **place.init_extra,
+        timeout_s=5.0)
     assert (init.rank_offset, init.world_size, init.packed, init.packed_buffer_size_bytes) == (2, 3, True, 2 * 2**20)
+    assert init.timeout_s == 5.0
     update = NCCLWeightTransferEngine.update_info_cls(**place.update_info)
     assert update.names == [n for n, _, _ in specs] and update.dtype_names == ["bfloat16", "bfloat16"]
 

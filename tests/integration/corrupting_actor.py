@@ -1,0 +1,31 @@
+"""`async-rl actor` whose weight syncs arrive corrupted, for
+tests/integration/test_verified_weights.py: `python tests/integration/corrupting_actor.py
+FIRST COUNT --hub ADDR` flips one bit of the first bucket of each of its syncs FIRST to
+FIRST + COUNT - 1, as they arrive from the transport and before the receiver checks them
+(as a faulty link or memory would). Joined last, it is the end of the gloo chain, so it
+forwards nothing corrupted to another member."""
+import sys
+
+import torch
+
+from async_rl.cli import main
+from async_rl.weight_transfer.gloo_chain import GlooChainReceiver
+from async_rl.weight_transfer.groups import CollectiveReceiver
+
+first, count = int(sys.argv.pop(1)), int(sys.argv.pop(1))
+syncs = 0
+
+
+def corrupting(receive):
+    def wrapped(self):
+        global syncs
+        receive(self)
+        syncs += 1
+        if first <= syncs < first + count:
+            self.target[0].view(torch.uint8)[3] ^= 0x04
+    return wrapped
+
+
+GlooChainReceiver.receive = corrupting(GlooChainReceiver.receive)
+CollectiveReceiver.receive = corrupting(CollectiveReceiver.receive)
+sys.exit(main(["actor", *sys.argv[1:]]))
