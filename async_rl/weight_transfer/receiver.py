@@ -66,7 +66,7 @@ class WeightReceiver:
         self._store: dist.TCPStore | None = None
         self._end: TransportReceiver | None = None
         self._epoch = -1
-        self._syncs = 0  # received in the current epoch: the next one's fingerprint is the (n+1)-th
+        self._syncs = 0  # of the current epoch, the one being received included: rank 0 counts alike
         self._version: int | None = None  # the version the current order names
         self._learner: LearnerInfo | None = None
         # For `deliver`: whether rank 0 has abandoned the epoch being received (store.py).
@@ -97,6 +97,7 @@ class WeightReceiver:
                 self._epoch, self._syncs = epoch, 0
             self.give_up = member_gives_up(self._store, epoch)
             self._version = version
+            self._syncs += 1
             self.deliver(self._end)
         except Exception as err:
             # The group may be broken (a member gone, a collective half done): never reuse
@@ -123,13 +124,15 @@ class WeightReceiver:
     def deliver(self, end: TransportReceiver) -> None:
         raise NotImplementedError
 
+    @property
+    def verifying(self) -> bool:
+        """Whether what arrives is checked: rank 0 sends fingerprints, and `verify`."""
+        return self._learner is not None and self._learner.verified and self.verify
+
     def check(self, plan: list[Bucket], *landed: tuple[tuple[int, ...], ...]) -> None:
         """Compare the fingerprint of what landed (one per copy received: a vLLM worker
         each) with the one rank 0 wrote for this sync; WeightMismatch names the version
-        and the first tensor that differs."""
-        self._syncs += 1
-        if self._learner is None or not self._learner.verified or not self.verify:
-            return
+        and the first tensor that differs. Call only when `verifying`."""
         key = check_key(self._epoch, self._syncs)
         reason = poll_store(self._store, [key], self.timeout_s, self.give_up)
         if reason is not None:
@@ -198,7 +201,8 @@ class ParameterReceiver(WeightReceiver):
         else:
             end.receive()
         # Staged, a mismatch leaves the live buckets as they were: the last version, whole.
-        self.check(self.plan, fingerprint(self.staging if end.staged else self.buckets, self.segments))
+        if self.verifying:
+            self.check(self.plan, fingerprint(self.staging if end.staged else self.buckets, self.segments))
         if end.staged:
             # Only a local copy can fail from here on (a device error), but it would
             # leave a mix of two versions like a broken-off sync does.
