@@ -13,6 +13,9 @@ that is still being filled and send bucket i as soon as it is complete
 On CUDA the copy into bucket i runs on the learner's stream and records the bucket's
 event; a transport sending from a side stream waits on that event, not on the whole
 learner stream, so gathering, copying and sending overlap on the GPU as well.
+
+Verified syncs: `fill` also takes each bucket's fingerprint sums (fingerprint.py) as
+soon as it is complete, while its bytes are still in the cache, before marking it ready.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import hashlib
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -151,6 +154,7 @@ class BucketSet:
         self.ready = [True] * len(plan)  # guarded by owner.cond
         self.broken = False  # a fill raised midway: never send this content
         self.version: int | None = None
+        self.sums: list[torch.Tensor | None] = [None] * len(plan)  # each bucket's fingerprint sums, once ready
         self.events = [torch.cuda.Event() for _ in plan] if device.type == "cuda" else None
         self._owner = owner
 
@@ -162,8 +166,11 @@ class BucketSet:
 
 class BucketSets:
     def __init__(self, plan: list[Bucket], device: torch.device, *, count: int, timeout_s: float,
-                 wire_dtype: dict[str, torch.dtype] | None = None):
+                 wire_dtype: dict[str, torch.dtype] | None = None,
+                 take_sums: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
+        """`take_sums(i, bucket)`: bucket i's fingerprint sums (verified syncs)."""
         self.plan, self.timeout_s = plan, timeout_s
+        self._take_sums = take_sums
         # Also the sender's: one condition wakes its thread for new weights and new members alike.
         self.cond = threading.Condition()
         self.sets = [BucketSet(i, plan, device, self) for i in range(count)]
@@ -202,6 +209,7 @@ class BucketSets:
                 self.cond.wait(timeout=0.5)
             target = self.sets[(self._send_idx + 1) % len(self.sets)]  # never a set a broadcast is reading
             target.ready = [False] * len(self.plan)
+            target.sums = [None] * len(self.plan)
             target.broken, target.version = False, version
             self.pending = version
             self.cond.notify_all()
@@ -228,6 +236,8 @@ class BucketSets:
                     self._mark_ready(target, i)
 
     def _mark_ready(self, target: BucketSet, i: int) -> None:
+        if self._take_sums is not None:
+            target.sums[i] = self._take_sums(i, target.tensors[i])
         if target.events is not None:
             target.events[i].record()  # on the learner's stream, after the copies into bucket i
         with self.cond:

@@ -17,6 +17,8 @@ that could die halfway through it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from async_rl.weight_transfer.buckets import Bucket, BucketSet
@@ -129,7 +131,7 @@ class CudaIpcReceiver:
     def join(self, epoch: int, rank: int, group: Group) -> None:
         self._epoch, self._rank, self._seq = epoch, rank, 0
 
-    def receive(self) -> None:
+    def receive(self, landed: Callable[[int], None] | None = None) -> None:
         """Copy, device to device, from the learner's bucket set that rank 0 names."""
         store, plan, device = self.side.store, self.place.plan, self.place.device
         seq = self._seq + 1
@@ -141,6 +143,8 @@ class CudaIpcReceiver:
         for flat, source in zip(self.place.live, self._sources[order.bucket_set]):
             flat.copy_(source, non_blocking=True)
         torch.cuda.current_stream(device).synchronize()  # done before rank 0 may reuse the set
+        for i in range(len(self.place.live) if landed is not None else 0):
+            landed(i)
         self._seq = seq
         store.set(ipc_done_key(self._epoch, seq, self._rank), b"")
 

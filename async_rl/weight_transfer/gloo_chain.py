@@ -61,11 +61,11 @@ def send_chain(group: dist.ProcessGroup, tensors: list[torch.Tensor], *, world: 
 
 
 def receive_chain(group: dist.ProcessGroup, tensors: list[torch.Tensor], *, rank: int, world: int,
-                  timeout_s: float) -> None:
+                  timeout_s: float, landed: Callable[[int], None] | None = None) -> None:
     """A member's part: receive every bucket from rank - 1 into `tensors` and forward
-    each one to rank + 1 as soon as it has arrived. gloo's point-to-point ops read and
-    write raw host pointers (its broadcast stages device tensors, they do not), so
-    buckets on a GPU go through host buffers."""
+    each one to rank + 1 as soon as it has arrived (then `landed(i)`, while the next
+    arrive). gloo's point-to-point ops read and write raw host pointers (its broadcast
+    stages device tensors, they do not), so buckets on a GPU go through host buffers."""
     host = [t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype) for t in tensors]
     receives = [group.recv([h], rank - 1, i) for i, h in enumerate(host)]
     sends = []
@@ -76,6 +76,8 @@ def receive_chain(group: dist.ProcessGroup, tensors: list[torch.Tensor], *, rank
             tensor.copy_(h)
         if not last:
             sends.append(group.send([h], rank + 1, i))
+        if landed is not None:
+            landed(i)
     if last:
         sends.append(group.send([torch.ones(1, dtype=torch.uint8)], 0, len(tensors)))
     wait_all(sends, timeout_s)
@@ -101,14 +103,15 @@ class GlooChainSender(CollectiveSender):
 class GlooChainReceiver(CollectiveReceiver):
     backend = "gloo"
 
-    def receive(self) -> None:
+    def receive(self, landed: Callable[[int], None] | None = None) -> None:
         if chained(len(self.target), self.world):
             # A failed forward also fails the sync: this member has every bucket, but rank 0
             # does not count the sync, so it must not label what it generates with the new
             # version. Unstaged, that leaves the receiver not intact; staged, the old version stays.
-            receive_chain(self.group, self.target, rank=self.rank, world=self.world, timeout_s=self.side.timeout_s)
+            receive_chain(self.group, self.target, rank=self.rank, world=self.world, timeout_s=self.side.timeout_s,
+                          landed=landed)
         else:
-            super().receive()
+            super().receive(landed)
 
 
 TRANSPORT = Transport("gloo", GlooChainSender, GlooChainReceiver)

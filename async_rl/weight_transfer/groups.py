@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -114,15 +115,19 @@ class CollectiveReceiver:
         self.rank, self.world = group.ranks.index(rank) + 1, len(group.ranks) + 1
         self.group = new_group(self.backend, self.side.store, epoch, self.rank, self.world, self.side.timeout_s)
 
-    def receive(self) -> None:
+    def receive(self, landed: Callable[[int], None] | None = None) -> None:
         group = self.group  # held: a receive left behind must not go on into another group
         if self.device.type == "cuda":  # queued on the stream; the host waits once, with a timeout
             wait_all([broadcast_async(group, flat) for flat in self.target], self.side.timeout_s)
-        else:  # one at a time: queueing them all measured no faster on CPU
-            for flat in self.target:
-                if group is not self.group:  # left (abandoned): stop here
-                    raise SyncAbandoned("the member left this group")
-                broadcast(group, flat)
+            for i in range(len(self.target) if landed is not None else 0):
+                landed(i)
+            return
+        for i, flat in enumerate(self.target):  # one at a time: queueing them all measured no faster on CPU
+            if group is not self.group:  # left (abandoned): stop here
+                raise SyncAbandoned("the member left this group")
+            broadcast(group, flat)
+            if landed is not None:
+                landed(i)
 
     def leave(self) -> None:
         self.group = None

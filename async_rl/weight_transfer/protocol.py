@@ -11,7 +11,7 @@ names them in a `Transport`; the sender and the receivers pick one by name
                                                 arrival()   how it will receive
     prepare(epoch, arrivals) -> Group           (store.py's handshake: rank 0 decides "go")
     connect()                                   join(epoch, rank, group)
-    send(bucket_set)            every version   receive()
+    send(bucket_set)            every version   receive(landed)
     disconnect()                on failure      leave()
 """
 from __future__ import annotations
@@ -95,7 +95,9 @@ class TransportReceiver(Protocol):
     def join(self, epoch: int, rank: int, group: Group) -> None:
         ...
 
-    def receive(self) -> None:
+    def receive(self, landed: Callable[[int], None] | None = None) -> None:
+        """Receive one version; `landed(i)`, where given, as soon as bucket i is complete,
+        so that its fingerprint is taken while the next ones arrive."""
         ...
 
     def leave(self) -> None:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from async_rl.weight_transfer.buckets import Bucket, alias_into_buckets, plan_buckets, sync_bucket_bytes
 from async_rl.weight_transfer.errors import SyncAbandoned, WeightMismatch
-from async_rl.weight_transfer.fingerprint import fingerprint, first_difference, plan_segments
+from async_rl.weight_transfer.fingerprint import first_difference, plan_segments, segment_sums
 from async_rl.weight_transfer.protocol import Landing, ReceiverContext, TransportReceiver
 from async_rl.weight_transfer.store import (
     LEARNER_KEY,
@@ -134,7 +134,8 @@ class WeightReceiver:
         each) with the one rank 0 wrote for this sync; WeightMismatch names the version
         and the first tensor that differs. Call only when `verifying`."""
         key = check_key(self._epoch, self._syncs)
-        reason = poll_store(self._store, [key], self.timeout_s, self.give_up)
+        # Rank 0 writes it as its last bucket goes out: it is there now, or within milliseconds.
+        reason = poll_store(self._store, [key], self.timeout_s, self.give_up, max_pause_s=0.001)
         if reason is not None:
             raise SyncAbandoned(reason)
         sent = decode(Fingerprint, self._store.get(key), "fingerprint")
@@ -189,20 +190,30 @@ class ParameterReceiver(WeightReceiver):
     def deliver(self, end: TransportReceiver) -> None:
         if not end.staged:
             self.intact = False  # from the first byte on: a broken-off bucket is half written
+        target = self.staging if end.staged else self.buckets
+        sums: list[torch.Tensor | None] = [None] * len(target)
+
+        def landed(i: int) -> None:  # each bucket's fingerprint while the next ones arrive
+            sums[i] = segment_sums(target[i], self.segments[i])
+
+        on_bucket = landed if self.verifying else None
         if end.staged and self.transport == "gloo":
             # Abandonable (store.py): staged, what a receive left behind still writes
             # lands in buffers no later sync reads, since they are replaced here.
             try:
-                run_abandonable(end.receive, self.give_up, "weight-receive", self._left_behind)
+                run_abandonable(lambda: end.receive(on_bucket), self.give_up, "weight-receive", self._left_behind)
             except SyncAbandoned:
                 self.staging = [torch.empty_like(flat) for flat in self.buckets]
                 self.reopen()
                 raise
         else:
-            end.receive()
+            end.receive(on_bucket)
         # Staged, a mismatch leaves the live buckets as they were: the last version, whole.
         if self.verifying:
-            self.check(self.plan, fingerprint(self.staging if end.staged else self.buckets, self.segments))
+            for i, got in enumerate(sums):
+                if got is None:  # a transport that does not report each bucket
+                    landed(i)
+            self.check(self.plan, tuple(tuple(s.tolist()) for s in sums))
         if end.staged:
             # Only a local copy can fail from here on (a device error), but it would
             # leave a mix of two versions like a broken-off sync does.

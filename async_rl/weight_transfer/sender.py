@@ -14,8 +14,9 @@ who are there. `form_epoch` runs rank 0's half of the handshake (store.py): it g
 the arrivals, assigns each member to the transport it announced (`plan_epoch`), lets
 each of those transports prepare, writes "go", and has each form its group.
 
-Verified (`verify`, sync.verify): beside every sync a second thread computes the
-fingerprint of the bucket set as sent and writes it, with the version, to the store
+Verified (`verify`, sync.verify): `publish` takes each bucket's fingerprint sums as it
+fills it (buckets.py), and beside every sync a second thread writes the set's
+fingerprint, with the version, to the store once every bucket is filled
 (fingerprint.py); each member checks what it received against it before using it.
 
 A sync that fails (a member died or never came) is counted and logged; the thread
@@ -47,7 +48,7 @@ from async_rl.weight_transfer.buckets import (
     sync_bucket_bytes,
 )
 from async_rl.weight_transfer.errors import EpochRejected, SyncAbandoned, describe
-from async_rl.weight_transfer.fingerprint import plan_segments, sent_fingerprint
+from async_rl.weight_transfer.fingerprint import plan_segments, segment_sums, sent_fingerprint
 from async_rl.weight_transfer.protocol import SenderContext, Transport, TransportSender
 from async_rl.weight_transfer.store import (
     LEARNER_KEY,
@@ -103,6 +104,7 @@ class WeightSender:
         bucket_bytes = int(bucket_mb * 2**20)
         self.plan = (plan_packed(specs, bucket_bytes) if engine == "vllm"  # vLLM's own chunk size
                      else plan_buckets(specs, sync_bucket_bytes(specs, bucket_mb)))
+        self._segments = plan_segments(self.plan)
         self.backend = "gloo" if transport == "gloo" else backend
         self.device, self.timeout_s = device, timeout_s
         self.store = store_bound_to(host, port, timeout_s)
@@ -115,7 +117,8 @@ class WeightSender:
         # Two sets cost a second full copy of the weights on rank 0; one set makes publish
         # wait while a broadcast is under way (its members' arrival included).
         self.buffers = BucketSets(self.plan, bucket_device, count=2 if double_buffer else 1, timeout_s=timeout_s,
-                                  wire_dtype={n: d for n, _, d in specs} if engine == "vllm" else None)
+                                  wire_dtype={n: d for n, _, d in specs} if engine == "vllm" else None,
+                                  take_sums=self._take_sums if verify else None)
         side = SenderContext(self.store, host, device, timeout_s,
                           side_stream=torch.cuda.Stream(device) if device.type == "cuda" else None,
                           bucket_sets=self.buffers.sets,
@@ -123,7 +126,6 @@ class WeightSender:
         self._senders = {name: _transport(name).sender(side)
                          for name in served(engine, self.backend, bucket_device)}
         self._check_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._segments = plan_segments(self.plan)
         self.last_fingerprint_s = 0.0  # rank 0's share of the check: the last sync's fingerprint
         self.group = None  # the current epoch's group, for analysis/bench_sync.py's reference broadcasts
         self._members: tuple[int, ...] = ()
@@ -246,6 +248,10 @@ class WeightSender:
             epoch.send(source)
         finally:
             check.join(self.timeout_s)  # it reads the set, which must not be refilled meanwhile
+
+    def _take_sums(self, i: int, bucket: torch.Tensor) -> torch.Tensor:
+        """Bucket i's fingerprint sums, taken by `publish` as soon as the bucket is filled."""
+        return segment_sums(bucket, self._segments[i])
 
     def _write_fingerprint(self, epoch: int, n: int, source: BucketSet) -> None:
         """The fingerprint of the epoch's n-th sync, into the store, whatever becomes of

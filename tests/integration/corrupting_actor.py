@@ -17,12 +17,16 @@ syncs = 0
 
 
 def corrupting(receive):
-    def wrapped(self):
+    def wrapped(self, landed=None):
         global syncs
-        receive(self)
         syncs += 1
-        if first <= syncs < first + count:
-            self.target[0].view(torch.uint8)[3] ^= 0x04
+
+        def flip_then_report(i):  # before the receiver takes the bucket's fingerprint
+            if i == 0 and first <= syncs < first + count:
+                self.target[0].view(torch.uint8)[3] ^= 0x04
+            if landed is not None:
+                landed(i)
+        receive(self, flip_then_report)
     return wrapped
 
 

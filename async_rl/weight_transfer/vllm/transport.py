@@ -35,6 +35,7 @@ checks them against rank 0's (receiver.py), and a mismatch leaves it not `intact
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -170,7 +171,8 @@ class VLLMTransportReceiver:
             info.update(epoch=epoch, timeout_s=self.side.timeout_s)
         self.place.llm.init_weight_transfer_engine({"init_info": {**info, **self.place.init_extra}})
 
-    def receive(self) -> None:
+    def receive(self, landed: Callable[[int], None] | None = None) -> None:
+        """(Each worker's engine fingerprints the chunks as they arrive: `landed` is not called.)"""
         llm = self.place.llm
         llm.start_weight_update(**supported_kwargs(llm.start_weight_update, {"is_checkpoint_format": True}))
         try:

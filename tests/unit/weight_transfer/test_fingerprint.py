@@ -8,6 +8,7 @@ import torch
 from async_rl.weight_transfer.buckets import plan_buckets, plan_packed
 from async_rl.weight_transfer.fingerprint import (
     CHUNK_BYTES,
+    device_segment_sums,
     fingerprint,
     first_difference,
     plan_segments,
@@ -111,3 +112,11 @@ def test_identical_bytes_give_identical_fingerprints_whatever_the_dtype(dtype):
     starts = [[0, 3, 40]]
     assert fingerprint([x], starts) == fingerprint([x.clone()], starts)
     assert fingerprint([x], starts) == fingerprint([x.view(torch.uint8).clone()], starts)
+
+
+def test_the_host_and_device_ways_to_sum_agree():
+    """CPU buckets are summed by numpy in one pass, GPU ones by a torch reduction per
+    segment: a learner and an actor on different devices must agree, overflow included."""
+    words = torch.randint(-2**62, 2**62, (5000,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
+    starts = [0, 1, 17, 1000, 4999]
+    assert segment_sums(words, starts).tolist() == device_segment_sums(words, starts).tolist()

@@ -28,14 +28,18 @@ def specs(params):
 
 def corrupting_receive(victim: str, corrupted: list):
     """The gloo chain's receive that, in the thread named `victim` (the chain's last
-    member: nothing forwards from it), flips one bit of its first bucket as it arrived."""
+    member: nothing forwards from it), flips one bit of its first bucket as it arrives,
+    before the receiver takes its fingerprint."""
     real = GlooChainReceiver.receive
 
-    def receive(self):
-        real(self)
-        if threading.current_thread().name.startswith(victim) and not corrupted:
-            self.target[0].view(torch.uint8)[5] ^= 0x10
-            corrupted.append(True)
+    def receive(self, landed=None):
+        def flip_then_report(i):
+            if i == 0 and threading.current_thread().name.startswith(victim) and not corrupted:
+                self.target[0].view(torch.uint8)[5] ^= 0x10
+                corrupted.append(True)
+            if landed is not None:
+                landed(i)
+        real(self, flip_then_report)
     return receive
 
 
