@@ -53,7 +53,7 @@ Output, one JSON object per line on stdout:
                                  publish (copy-in, overlapping the sends) time, the
                                  broadcast thread's own duration (`wire_s`, from
                                  taking the set up), the receivers' receive() time
-                                 and rank 0's fingerprint time (beside the sends)
+                                 and what writing the version's fingerprint took publish
   {"kind": "comparison", ...}   one per (size, bucket_mb): bucketed_over_flat =
                                  bucketed GB/s / flat GB/s (from the medians),
                                  nocopy_over_flat, verify_share (1 - unverified /

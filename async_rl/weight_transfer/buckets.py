@@ -200,10 +200,10 @@ class BucketSets:
             self.closed = True
             self.cond.notify_all()
 
-    def fill(self, version: int, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Copy full tensors into the free set. With one set, first waits until no
-        broadcast reads it (a broadcast takes at most its members' arrival plus the
-        transfer, each bounded by the sync timeout)."""
+    def fill(self, version: int, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> BucketSet:
+        """Copy full tensors into the free set, which it returns. With one set, first waits
+        until no broadcast reads it (a broadcast takes at most its members' arrival plus
+        the transfer, each bounded by the sync timeout)."""
         with self.cond:
             while len(self.sets) == 1 and self.reading and not self.closed:
                 self.cond.wait(timeout=0.5)
@@ -234,6 +234,7 @@ class BucketSets:
             for i in range(len(self.plan)):
                 if missing[i] > 0:
                     self._mark_ready(target, i)
+        return target
 
     def _mark_ready(self, target: BucketSet, i: int) -> None:
         if self._take_sums is not None:

@@ -5,9 +5,9 @@ A fingerprint is computed on the bytes of each bucket as sent (a torch bucket, o
 packed uint8 chunk of vLLM's layout), read as little-endian 64-bit words (the last one
 zero-padded): one sum modulo 2**64 per segment, where the segments start at each
 tensor's first word and are cut every CHUNK_BYTES within a large tensor. Rank 0
-computes it beside the transfer and writes it to the sync store (store.py,
-`check/<epoch>/<n>` for the epoch's n-th sync, with the version); each receiver
-computes the same sums over what landed and compares.
+takes the sums of each bucket as it fills it and writes the version's fingerprint to
+the sync store (store.py, `check/<version>`); each receiver computes the same sums over
+what landed, each bucket as it lands, and compares.
 
 What it catches: any change to a word (a flipped bit, a corrupted byte, a bucket of
 another version or left unwritten, a truncated transfer), located to its segment and so
@@ -20,9 +20,8 @@ GPU bucket would need a copy to the host.
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -79,19 +78,11 @@ def fingerprint(buckets: Sequence[torch.Tensor], starts: Sequence[Sequence[int]]
     return tuple(tuple(s.tolist()) for s in sums)
 
 
-def sent_fingerprint(source: BucketSet, starts: Sequence[Sequence[int]],
-                     stream: Any = None) -> tuple[tuple[int, ...], ...]:
-    """Rank 0's fingerprint of a bucket set: the sums its fill took of each bucket (where
-    it took none, taken here), read once the bucket is ready; on a GPU on `stream`, after
-    the bucket's fill event (not the whole learner stream)."""
-    sums = []
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        for i, (flat, first) in enumerate(zip(source.tensors, starts)):
-            source.wait_ready(i)
-            if source.events is not None:
-                stream.wait_event(source.events[i])
-            taken = source.sums[i]
-            sums.append(taken if taken is not None else segment_sums(flat, first))
+def fingerprint_of(filled: BucketSet, starts: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """Rank 0's fingerprint of a bucket set just filled: the sums the fill took of each
+    bucket (where it took none, taken here). On a GPU, reading them waits for the copies."""
+    sums = [taken if taken is not None else segment_sums(flat, first)
+            for taken, flat, first in zip(filled.sums, filled.tensors, starts)]
     return tuple(tuple(s.tolist()) for s in sums)
 
 

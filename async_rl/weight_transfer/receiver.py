@@ -66,7 +66,6 @@ class WeightReceiver:
         self._store: dist.TCPStore | None = None
         self._end: TransportReceiver | None = None
         self._epoch = -1
-        self._syncs = 0  # of the current epoch, the one being received included: rank 0 counts alike
         self._version: int | None = None  # the version the current order names
         self._learner: LearnerInfo | None = None
         # For `deliver`: whether rank 0 has abandoned the epoch being received (store.py).
@@ -82,7 +81,8 @@ class WeightReceiver:
                 version: int | None = None) -> None:
         """Receive one version, joining `epoch` first if this member is not in it yet.
         `world_size` is the coordinator's; the group's own comes from rank 0's decision.
-        `version`, the order's: rank 0's fingerprint must name the same (None: not compared)."""
+        `version`, the order's: what arrives is checked against rank 0's fingerprint of that
+        version (None: not checked)."""
         try:
             if self._store is None or (self._store.host, self._store.port) != (store_host, store_port):
                 store = dist.TCPStore(store_host, store_port, is_master=False,
@@ -94,10 +94,9 @@ class WeightReceiver:
                 self._end.leave()
                 group = join(self._store, epoch, rank, self._end.arrival(), self.timeout_s)
                 self._end.join(epoch, rank, group)
-                self._epoch, self._syncs = epoch, 0
+                self._epoch = epoch
             self.give_up = member_gives_up(self._store, epoch)
             self._version = version
-            self._syncs += 1
             self.deliver(self._end)
         except Exception as err:
             # The group may be broken (a member gone, a collective half done): never reuse
@@ -126,21 +125,28 @@ class WeightReceiver:
 
     @property
     def verifying(self) -> bool:
-        """Whether what arrives is checked: rank 0 sends fingerprints, and `verify`."""
-        return self._learner is not None and self._learner.verified and self.verify
+        """Whether what arrives is checked: rank 0 writes fingerprints, the order named
+        the version, and `verify`."""
+        return (self._learner is not None and self._learner.verified and self.verify
+                and self._version is not None)
 
     def check(self, plan: list[Bucket], *landed: tuple[tuple[int, ...], ...]) -> None:
         """Compare the fingerprint of what landed (one per copy received: a vLLM worker
-        each) with the one rank 0 wrote for this sync; WeightMismatch names the version
+        each) with the one rank 0 wrote for the version; WeightMismatch names the version
         and the first tensor that differs. Call only when `verifying`."""
-        key = check_key(self._epoch, self._syncs)
-        # Rank 0 writes it as its last bucket goes out: it is there now, or within milliseconds.
-        reason = poll_store(self._store, [key], self.timeout_s, self.give_up, max_pause_s=0.001)
+        key = check_key(self._version)
+        # Rank 0's publish writes it once the last bucket is filled, before that bucket can
+        # have arrived here: it is there, or within a moment.
+        try:
+            reason = poll_store(self._store, [key], self.timeout_s, self.give_up, max_pause_s=0.001)
+        except TimeoutError:
+            raise WeightMismatch(f"rank 0 wrote no fingerprint of version {self._version} within "
+                                 f"{self.timeout_s:.0f}s: what arrived is another version") from None
         if reason is not None:
             raise SyncAbandoned(reason)
         sent = decode(Fingerprint, self._store.get(key), "fingerprint")
-        if self._version is not None and sent.version != self._version:
-            raise WeightMismatch(f"rank 0 sent version {sent.version} where the hub's order named {self._version}")
+        if sent.version != self._version:
+            raise ValueError(f"malformed fingerprint in the sync store: {key} names version {sent.version}")
         for copy in landed:
             where = first_difference(plan, sent.buckets, copy)
             if where is not None:

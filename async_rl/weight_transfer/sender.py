@@ -15,9 +15,9 @@ the arrivals, assigns each member to the transport it announced (`plan_epoch`), 
 each of those transports prepare, writes "go", and has each form its group.
 
 Verified (`verify`, sync.verify): `publish` takes each bucket's fingerprint sums as it
-fills it (buckets.py), and beside every sync a second thread writes the set's
-fingerprint, with the version, to the store once every bucket is filled
-(fingerprint.py); each member checks what it received against it before using it.
+fills it (buckets.py) and, once every bucket is filled, writes the version's fingerprint
+to the store (fingerprint.py); each member checks what it received against it before
+using it.
 
 A sync that fails (a member died or never came) is counted and logged; the thread
 drops the epoch's groups, which releases the members still waiting, and sends the
@@ -31,6 +31,7 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,7 @@ from async_rl.weight_transfer.buckets import (
     sync_bucket_bytes,
 )
 from async_rl.weight_transfer.errors import EpochRejected, SyncAbandoned, describe
-from async_rl.weight_transfer.fingerprint import plan_segments, segment_sums, sent_fingerprint
+from async_rl.weight_transfer.fingerprint import fingerprint_of, plan_segments, segment_sums
 from async_rl.weight_transfer.protocol import SenderContext, Transport, TransportSender
 from async_rl.weight_transfer.store import (
     LEARNER_KEY,
@@ -68,8 +69,8 @@ from async_rl.weight_transfer.transports import check_transport, learner_info, s
 
 log = logging.getLogger("async_rl.sync")
 
-# Fingerprints kept per epoch in the store: a member checks the one of the sync it just
-# received, and no member can be more than one sync behind rank 0 in an epoch.
+# Fingerprints kept in the store: a member checks the one of the version it just received,
+# never older than the last two that publish filled (double buffering).
 KEPT_FINGERPRINTS = 4
 
 
@@ -118,15 +119,15 @@ class WeightSender:
         # wait while a broadcast is under way (its members' arrival included).
         self.buffers = BucketSets(self.plan, bucket_device, count=2 if double_buffer else 1, timeout_s=timeout_s,
                                   wire_dtype={n: d for n, _, d in specs} if engine == "vllm" else None,
-                                  take_sums=self._take_sums if verify else None)
+                                  take_sums=self._take_sums)
         side = SenderContext(self.store, host, device, timeout_s,
                           side_stream=torch.cuda.Stream(device) if device.type == "cuda" else None,
                           bucket_sets=self.buffers.sets,
                           layout=layout_id(specs, bucket_bytes) if engine == "vllm" else None)
         self._senders = {name: _transport(name).sender(side)
                          for name in served(engine, self.backend, bucket_device)}
-        self._check_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.last_fingerprint_s = 0.0  # rank 0's share of the check: the last sync's fingerprint
+        self._fingerprinted: deque[int] = deque()  # versions whose fingerprint is in the store
+        self.last_fingerprint_s = 0.0  # what writing the last version's fingerprint took publish
         self.group = None  # the current epoch's group, for analysis/bench_sync.py's reference broadcasts
         self._members: tuple[int, ...] = ()
         self._epoch = 0  # the membership epoch the next broadcast goes to
@@ -146,7 +147,9 @@ class WeightSender:
         Raises if the broadcast thread has died: no actor would ever get these weights."""
         if self.crashed is not None:
             raise RuntimeError(f"the weight-broadcast thread died: {describe(self.crashed)}") from self.crashed
-        self.buffers.fill(version, named_tensors)
+        filled = self.buffers.fill(version, named_tensors)
+        if self.verify:
+            self._write_fingerprint(filled)
 
     # -- called by the coordinator ----------------------------------------------
     def set_members(self, actor_ids: Iterable[int]) -> None:
@@ -237,37 +240,22 @@ class WeightSender:
     def _send(self, epoch: Epoch, source: BucketSet) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per thread, and this one is new
-        epoch.syncs += 1
-        if not self.verify:
-            epoch.send(source)
-            return
-        check = threading.Thread(target=self._write_fingerprint, args=(epoch.number, epoch.syncs, source),
-                                 name="weight-fingerprint", daemon=True)
-        check.start()
-        try:
-            epoch.send(source)
-        finally:
-            check.join(self.timeout_s)  # it reads the set, which must not be refilled meanwhile
+        epoch.send(source)
 
-    def _take_sums(self, i: int, bucket: torch.Tensor) -> torch.Tensor:
+    def _take_sums(self, i: int, bucket: torch.Tensor) -> torch.Tensor | None:
         """Bucket i's fingerprint sums, taken by `publish` as soon as the bucket is filled."""
-        return segment_sums(bucket, self._segments[i])
+        return segment_sums(bucket, self._segments[i]) if self.verify else None
 
-    def _write_fingerprint(self, epoch: int, n: int, source: BucketSet) -> None:
-        """The fingerprint of the epoch's n-th sync, into the store, whatever becomes of
-        the transfer: a member that received every bucket checks them against it."""
-        try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            started = time.monotonic()
-            sums = sent_fingerprint(source, self._segments, self._check_stream)
-            self.store.set(check_key(epoch, n), encode(Fingerprint(source.version, sums)))
-            if n > KEPT_FINGERPRINTS:
-                self.store.delete_key(check_key(epoch, n - KEPT_FINGERPRINTS))
-            self.last_fingerprint_s = time.monotonic() - started
-        except Exception as err:  # the members waiting for it then fail the sync by timeout
-            log.warning("the fingerprint of version %s (epoch %s) was not written: %s", source.version, epoch,
-                        describe(err))
+    def _write_fingerprint(self, filled: BucketSet) -> None:
+        """The fingerprint of the version just filled, into the store under its version,
+        for every member that receives it; the oldest kept one is dropped."""
+        started = time.monotonic()
+        sums = fingerprint_of(filled, self._segments)
+        self.store.set(check_key(filled.version), encode(Fingerprint(filled.version, sums)))
+        self._fingerprinted.append(filled.version)
+        if len(self._fingerprinted) > KEPT_FINGERPRINTS:
+            self.store.delete_key(check_key(self._fingerprinted.popleft()))
+        self.last_fingerprint_s = time.monotonic() - started
 
     def _give_up(self, job: SyncJob) -> str | None:
         if self.buffers.closed:
@@ -330,7 +318,6 @@ class Epoch:
 
     def __init__(self, number: int = 0, senders: tuple[TransportSender, ...] = ()):
         self.number, self.senders = number, senders
-        self.syncs = 0  # sent in this epoch; the n-th one's fingerprint is `check/<number>/<n>`
 
     @property
     def group(self) -> Any:

@@ -14,8 +14,8 @@ never pickle), and a malformed value raises `ValueError` naming what was malform
     ipc/handles/<set>            IpcHandles    one bucket set's CUDA-IPC handles
     ipc/<epoch>/<seq>            IpcOrder      "copy this set now"
     ipc/<epoch>/<seq>/done/<r>   (empty)       member r copied it; the key is the message
-    check/<epoch>/<n>            Fingerprint   the version of the epoch's n-th sync and its
-                                               buckets' fingerprint (fingerprint.py)
+    check/<version>              Fingerprint   the version's fingerprint, bucket by bucket
+                                               (fingerprint.py), written by publish
 
 The handshake, whatever the transport:
 1. arrival: every member writes `arrived/<epoch>/<rank>`, an `Arrival` naming how it
@@ -161,8 +161,8 @@ def ipc_done_key(epoch: int, seq: int, rank: int) -> str:
     return f"ipc/{epoch}/{seq}/done/{rank}"
 
 
-def check_key(epoch: int, n: int) -> str:
-    return f"check/{epoch}/{n}"
+def check_key(version: int) -> str:
+    return f"check/{version}"
 
 
 def encode(record: Struct) -> bytes:
