@@ -4,7 +4,8 @@ The actors are not members of the torchrun world, so every epoch gets a group of
 own: rank 0 is the learner, ranks 1..k the members of the transport's `Group`, in its
 order; it rendezvouses in rank 0's store under `sync/<epoch>/`, after the handshake
 (store.py). `CollectiveSender` and `CollectiveReceiver` are the two ends of such a
-group, sending one broadcast per bucket; the gloo and NCCL transports build on them
+group, sending one broadcast per bucket, then `all_arrived`, so that rank 0 counts a
+sync only once every member has it; the gloo and NCCL transports build on them
 (gloo_chain.py, nccl.py).
 """
 from __future__ import annotations
@@ -44,6 +45,14 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
     broadcast_async(group, tensor).wait()
 
 
+def all_arrived(group: dist.ProcessGroup, device: torch.device) -> dist.Work:
+    """Every rank's word that the sync's broadcasts are done on its side: rank 0's own
+    broadcast completes once its sends are out, before a member down the tree has its
+    copy. Without this, rank 0 would take up the next version, the hub would order that
+    version, and a late member would receive the previous one under its label."""
+    return group.allreduce([torch.zeros(1, dtype=torch.int32, device=device)])
+
+
 def wait_all(works: list[dist.Work], timeout_s: float) -> None:
     """Block the host until the last collective is done, or raise after `timeout_s`.
     A CUDA work's plain wait() only orders the current stream after it; the host must
@@ -57,7 +66,7 @@ def wait_all(works: list[dist.Work], timeout_s: float) -> None:
 
 class CollectiveSender:
     """Rank 0's end: one broadcast per bucket, each once its bucket is filled; on CUDA
-    queued on the side stream behind that bucket's copy-in."""
+    queued on the side stream behind that bucket's copy-in; then `all_arrived`."""
 
     backend = ""
 
@@ -88,6 +97,7 @@ class CollectiveSender:
                 works.append(broadcast_async(group, tensor))
                 if source.events is None:  # host buckets: one at a time (queueing them all measured no faster)
                     works.pop().wait()
+            works.append(all_arrived(group, self.side.device if source.events is not None else torch.device("cpu")))
             wait_all(works, self.side.timeout_s)
 
     def disconnect(self) -> None:
@@ -118,7 +128,8 @@ class CollectiveReceiver:
     def receive(self, landed: Callable[[int], None] | None = None) -> None:
         group = self.group  # held: a receive left behind must not go on into another group
         if self.device.type == "cuda":  # queued on the stream; the host waits once, with a timeout
-            wait_all([broadcast_async(group, flat) for flat in self.target], self.side.timeout_s)
+            works = [broadcast_async(group, flat) for flat in self.target]
+            wait_all([*works, all_arrived(group, self.device)], self.side.timeout_s)
             for i in range(len(self.target) if landed is not None else 0):
                 landed(i)
             return
@@ -128,6 +139,7 @@ class CollectiveReceiver:
             broadcast(group, flat)
             if landed is not None:
                 landed(i)
+        all_arrived(group, self.device).wait(datetime.timedelta(seconds=self.side.timeout_s))
 
     def leave(self) -> None:
         self.group = None

@@ -34,7 +34,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from async_rl.weight_transfer.buckets import plan_packed
 from async_rl.weight_transfer.fingerprint import segment_sums, segments
-from async_rl.weight_transfer.groups import broadcast, new_group
+from async_rl.weight_transfer.groups import all_arrived, broadcast, new_group
 
 BACKEND = "async_rl_gloo"  # the WeightTransferConfig backend name
 
@@ -112,6 +112,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             sums.append(tuple(segment_sums(buffer, segments(chunk)).tolist()))
             self.model.load_weights([(e.name, buffer[e.offset:e.offset + e.numel].view(dtypes[e.name]).view(e.shape))
                                      for e in chunk.entries])
+        all_arrived(self.group, torch.device("cpu")).wait()  # bounded by the group's timeout
         self.received = tuple(sums)
 
     def update_weights(self, update_info: dict) -> None:

@@ -107,14 +107,16 @@ def wait_event(event: Any, timeout_s: float) -> None:
 
 def send_packed(group: Any, source: BucketSet, stream: Any, timeout_s: float) -> None:
     """Every packed chunk in order, each once filled, on the side stream after the
-    chunk's fill event, then a bounded wait until the stream is done, so the set may be
-    refilled. PyNccl broadcasts on the current stream."""
+    chunk's fill event, then an all-reduce of one word that completes once every worker
+    has every chunk (groups.all_arrived), then a bounded wait until the stream is done,
+    so the set may be refilled. PyNccl broadcasts on the current stream."""
     with torch.cuda.stream(stream):
         for i, chunk in enumerate(source.tensors):
             source.wait_ready(i)
             if source.events is not None:
                 stream.wait_event(source.events[i])  # the copy-in, not the whole learner stream
             group.broadcast(chunk, src=0)
+        group.all_reduce(torch.zeros(1, dtype=torch.int32, device=chunk.device))  # every member's word: all arrived
         done = torch.cuda.Event()
         done.record(stream)
     wait_event(done, timeout_s)

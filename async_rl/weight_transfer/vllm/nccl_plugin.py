@@ -8,7 +8,9 @@ what arrived is checked. This engine (`WeightTransferConfig(backend=BACKEND)`,
 registered with gloo_plugin.register) receives the same packed chunks through the same
 communicator, one at a time: after each broadcast the host polls the stream's event
 against `timeout_s` (nccl_group.wait_event, as rank 0 does when sending), then takes
-the chunk's fingerprint (fingerprint.py) and loads it through the layerwise reload.
+the chunk's fingerprint (fingerprint.py) and loads it through the layerwise reload;
+after the last, an all-reduce of one word tells rank 0 that this worker has it all
+(groups.all_arrived, on the trainer's side nccl_group.send_packed).
 
 A broadcast that timed out stays queued on the stream: PyNccl has no abort, so this
 process's GPU work cannot go on. The error says so, and the vLLM receiver then reports
@@ -70,4 +72,8 @@ class TimedNcclWeightTransferEngine(NCCLWeightTransferEngine):
             sums.append(segment_sums(buffer, segments(chunk)))
             self.model.load_weights([(e.name, buffer[e.offset:e.offset + e.numel].view(dtypes[e.name]).view(e.shape))
                                      for e in chunk.entries])
+        group.all_reduce(torch.zeros(1, dtype=torch.int32, device=self.device), stream=stream)  # rank 0 waits for it
+        arrived = torch.cuda.Event()
+        arrived.record(stream)
+        wait_event(arrived, self.timeout_s)
         self.received = tuple(tuple(s.tolist()) for s in sums)

@@ -43,7 +43,7 @@ import torch
 
 from async_rl.weight_transfer.buckets import BucketSet, Spec, layout_id, plan_packed
 from async_rl.weight_transfer.errors import EpochRejected
-from async_rl.weight_transfer.groups import broadcast_async, new_group, wait_all
+from async_rl.weight_transfer.groups import all_arrived, broadcast_async, new_group, wait_all
 from async_rl.weight_transfer.protocol import ReceiverContext, SenderContext, Transport
 from async_rl.weight_transfer.receiver import WeightReceiver
 from async_rl.weight_transfer.store import Arrival, Group
@@ -122,7 +122,7 @@ class VLLMTransportSender:
         for i, chunk in enumerate(source.tensors):
             source.wait_ready(i)
             works.append(broadcast_async(self.group, chunk))
-        wait_all(works, self.side.timeout_s)
+        wait_all([*works, all_arrived(self.group, torch.device("cpu"))], self.side.timeout_s)
 
     def disconnect(self) -> None:
         self.group = None

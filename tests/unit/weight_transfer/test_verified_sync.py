@@ -43,6 +43,14 @@ def corrupting_receive(victim: str, corrupted: list):
     return receive
 
 
+def wait_until(condition, timeout=10.0):
+    deadline = time.time() + timeout
+    while not (value := condition()):
+        assert time.time() < deadline, "not within the timeout"
+        time.sleep(0.01)
+    return value
+
+
 def sync(bc, job, receivers, version):
     """Each receiver receives the job's sync in a thread named after it; their errors."""
     errors = {}
@@ -134,5 +142,41 @@ def test_without_verify_nothing_is_written_or_checked(monkeypatch):
         while bc.completed < 1 and time.time() < deadline:
             time.sleep(0.01)
         assert not bc.store.check(["check/2"])
+    finally:
+        bc.close()
+
+
+def test_a_sync_is_complete_only_once_every_member_has_it():
+    """One bucket to three members goes as gloo's broadcast, a tree: rank 0's own part is
+    done once its sends are out, before the member its child relays to has the bucket.
+    Rank 0 must not count the sync (and take up the next version, which the hub would
+    then order) until every member has arrived: a late member would otherwise receive
+    this version under the next one's label. Verified weights caught exactly that."""
+    source = model(0)
+    bc = WeightSender(specs(source), bucket_mb=1, host="127.0.0.1", backend="gloo", device=torch.device("cpu"),
+                      timeout_s=20)
+    params = {k: model(k) for k in (1, 2, 3)}
+    receivers = {k: (f"member-{k}", ParameterReceiver(params[k], bucket_mb=1, backend="gloo", timeout_s=20))
+                 for k in (1, 2, 3)}
+    try:
+        bc.set_members([1, 2, 3])
+        bc.publish(1, iter(model(9)))
+        first = wait_for_job(bc, [1, 2, 3])
+        assert sync(bc, first, receivers, version=1) == {}  # the epoch's group, formed by all
+        assert len(bc.plan) == 1 and not gloo_chain.chained(1, 4)  # the tree, not the chain
+        wait_until(lambda: bc.completed == 1)
+        bc.publish(2, iter(source))
+        job = wait_until(lambda: (j := bc.job()) is not None and j.version == 2 and j)
+        assert job.epoch == first.epoch
+        early = threading.Thread(target=sync, args=(bc, job, {k: receivers[k] for k in (1, 2)}, 2))
+        early.start()
+        time.sleep(1.5)
+        assert bc.completed == 1, "rank 0 counted the sync before member 3 had it"
+        assert sync(bc, job, {3: receivers[3]}, version=2) == {}
+        early.join(timeout=20)
+        wait_until(lambda: bc.completed == 2)
+        for k in (1, 2, 3):
+            for (name, want), (_, got) in zip(source, params[k]):
+                assert torch.equal(want, got), (k, name)
     finally:
         bc.close()
