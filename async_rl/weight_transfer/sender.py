@@ -69,9 +69,6 @@ from async_rl.weight_transfer.transports import check_transport, learner_info, s
 
 log = logging.getLogger("async_rl.sync")
 
-# Fingerprints kept in the store: a member checks the one of the version it just received,
-# never older than the last two that publish filled (double buffering).
-KEPT_FINGERPRINTS = 4
 
 
 def store_bound_to(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -127,6 +124,9 @@ class WeightSender:
         self._senders = {name: _transport(name).sender(side)
                          for name in served(engine, self.backend, bucket_device)}
         self._fingerprinted: deque[int] = deque()  # versions whose fingerprint is in the store
+        # The versions of the last two syncs taken up: a member may still be reading the
+        # older one's fingerprint while the newer one goes out (all_arrived: never further behind).
+        self._sending: deque[int] = deque(maxlen=2)
         self.last_fingerprint_s = 0.0  # what writing the last version's fingerprint took publish
         self.group = None  # the current epoch's group, for analysis/bench_sync.py's reference broadcasts
         self._members: tuple[int, ...] = ()
@@ -200,6 +200,8 @@ class WeightSender:
                     epoch.close()
                     return
                 buffers.take_newest()
+                if not self._sending or self._sending[-1] != buffers.sent:
+                    self._sending.append(buffers.sent)
                 job = SyncJob(self._epoch, buffers.sent, self._members)  # type: ignore[arg-type]
                 self._job, buffers.reading = job, True
                 source = buffers.current
@@ -248,12 +250,14 @@ class WeightSender:
 
     def _write_fingerprint(self, filled: BucketSet) -> None:
         """The fingerprint of the version just filled, into the store under its version,
-        for every member that receives it; the oldest kept one is dropped."""
+        for every member that receives it; those of versions no sync can still be reading
+        (older than the last two taken up: a slow sync may span many publishes) are dropped."""
         started = time.monotonic()
         sums = fingerprint_of(filled, self._segments)
         self.store.set(check_key(filled.version), encode(Fingerprint(filled.version, sums)))
         self._fingerprinted.append(filled.version)
-        if len(self._fingerprinted) > KEPT_FINGERPRINTS:
+        oldest_read = min(self._sending, default=filled.version)
+        while self._fingerprinted[0] < oldest_read:
             self.store.delete_key(check_key(self._fingerprinted.popleft()))
         self.last_fingerprint_s = time.monotonic() - started
 

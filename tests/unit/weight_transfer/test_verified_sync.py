@@ -180,3 +180,33 @@ def test_a_sync_is_complete_only_once_every_member_has_it():
                 assert torch.equal(want, got), (k, name)
     finally:
         bc.close()
+
+
+def test_a_slow_sync_keeps_its_fingerprint_while_the_learner_publishes_on():
+    """The learner publishes every step without waiting for actors; a sync held up (a
+    slow link) may span many publishes. Its version's fingerprint must stay in the store
+    until no member can still be reading it."""
+    bc = WeightSender(specs(model(0)), bucket_mb=BUCKET_MB, host="127.0.0.1", backend="gloo",
+                      device=torch.device("cpu"), timeout_s=20)
+    receiver = ParameterReceiver(model(9), bucket_mb=BUCKET_MB, backend="gloo", timeout_s=3)
+    try:
+        bc.set_members([1])
+        bc.publish(1, iter(model(1)))
+        job = wait_for_job(bc, [1])
+        for version in range(2, 12):  # the member is late: ten more versions meanwhile
+            bc.publish(version, iter(model(version)))
+        assert sync(bc, job, {1: ("member", receiver)}, version=1) == {}
+        assert torch.equal(receiver.params["embed"], model(1)[0][1])
+        wait_until(lambda: bc.completed == 1)
+        later = wait_until(lambda: (j := bc.job()) is not None and j.version == 11 and j)
+        assert sync(bc, later, {1: ("member", receiver)}, version=11) == {}
+        wait_until(lambda: bc.completed == 2)
+        bc.publish(12, iter(model(12)))
+        newest = wait_until(lambda: (j := bc.job()) is not None and j.version == 12 and j)
+        assert sync(bc, newest, {1: ("member", receiver)}, version=12) == {}
+        wait_until(lambda: bc.completed == 3)
+        bc.publish(13, iter(model(13)))  # two syncs since version 1's: no member can still read it
+        assert not any(bc.store.check([f"check/{v}"]) for v in range(1, 11))  # 2-10 were never sent
+        assert bc.store.check(["check/12"]) and bc.store.check(["check/13"])
+    finally:
+        bc.close()
