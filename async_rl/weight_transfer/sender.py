@@ -123,7 +123,7 @@ class WeightSender:
                           layout=layout_id(specs, bucket_bytes) if engine == "vllm" else None)
         self._senders = {name: _transport(name).sender(side)
                          for name in served(engine, self.backend, bucket_device)}
-        self._fingerprinted: deque[int] = deque()  # versions whose fingerprint is in the store
+        self._fingerprinted: deque[tuple[int, float]] = deque()  # (version, when written) of those in the store
         # The versions of the last two syncs taken up: a member may still be reading the
         # older one's fingerprint while the newer one goes out (all_arrived: never further behind).
         self._sending: deque[int] = deque(maxlen=2)
@@ -250,15 +250,18 @@ class WeightSender:
 
     def _write_fingerprint(self, filled: BucketSet) -> None:
         """The fingerprint of the version just filled, into the store under its version,
-        for every member that receives it; those of versions no sync can still be reading
-        (older than the last two taken up: a slow sync may span many publishes) are dropped."""
+        for every member that receives it. One is dropped once no sync can still read it:
+        older than the last two taken up (a slow sync may span many publishes), and
+        written more than a sync timeout ago (a member dropped from its epoch may still
+        be looking for it, at most that long)."""
         started = time.monotonic()
         sums = fingerprint_of(filled, self._segments)
         self.store.set(check_key(filled.version), encode(Fingerprint(filled.version, sums)))
-        self._fingerprinted.append(filled.version)
+        self._fingerprinted.append((filled.version, started))
         oldest_read = min(self._sending, default=filled.version)
-        while self._fingerprinted[0] < oldest_read:
-            self.store.delete_key(check_key(self._fingerprinted.popleft()))
+        while (self._fingerprinted[0][0] < oldest_read
+               and started - self._fingerprinted[0][1] > 2 * self.timeout_s):
+            self.store.delete_key(check_key(self._fingerprinted.popleft()[0]))
         self.last_fingerprint_s = time.monotonic() - started
 
     def _give_up(self, job: SyncJob) -> str | None:

@@ -185,9 +185,10 @@ def test_a_sync_is_complete_only_once_every_member_has_it():
 def test_a_slow_sync_keeps_its_fingerprint_while_the_learner_publishes_on():
     """The learner publishes every step without waiting for actors; a sync held up (a
     slow link) may span many publishes. Its version's fingerprint must stay in the store
-    until no member can still be reading it."""
+    until no member can still be reading it: two syncs later, and two sync timeouts after
+    it was written (a member dropped from its epoch may still be looking for it)."""
     bc = WeightSender(specs(model(0)), bucket_mb=BUCKET_MB, host="127.0.0.1", backend="gloo",
-                      device=torch.device("cpu"), timeout_s=20)
+                      device=torch.device("cpu"), timeout_s=2.5)
     receiver = ParameterReceiver(model(9), bucket_mb=BUCKET_MB, backend="gloo", timeout_s=3)
     try:
         bc.set_members([1])
@@ -205,7 +206,10 @@ def test_a_slow_sync_keeps_its_fingerprint_while_the_learner_publishes_on():
         newest = wait_until(lambda: (j := bc.job()) is not None and j.version == 12 and j)
         assert sync(bc, newest, {1: ("member", receiver)}, version=12) == {}
         wait_until(lambda: bc.completed == 3)
-        bc.publish(13, iter(model(13)))  # two syncs since version 1's: no member can still read it
+        bc.publish(13, iter(model(13)))  # two syncs since version 1's, but written too recently
+        assert bc.store.check(["check/1"])
+        time.sleep(2 * 2.5)
+        bc.publish(14, iter(model(14)))
         assert not any(bc.store.check([f"check/{v}"]) for v in range(1, 11))  # 2-10 were never sent
         assert bc.store.check(["check/12"]) and bc.store.check(["check/13"])
     finally:
