@@ -41,30 +41,20 @@ def actor(model_dir: str, conn, die_after_chunks: int | None, corrupt_chunk: int
 
     engine = make_engine("vllm", model_or_path=model_dir, device="cpu", kv_cache_gb=0.25)
     receiver = engine.weight_receiver(bucket_mb=BUCKET_MB, timeout_s=10)
-    if die_after_chunks is not None:
+    if die_after_chunks is not None or corrupt_chunk is not None:
         from async_rl.weight_transfer.vllm import gloo_plugin as vllm_gloo
 
         real, seen = vllm_gloo.broadcast, [0]
 
-        def broadcast_then_die(group, tensor):
+        def broadcast_with_fault(group, tensor):
             real(group, tensor)
             seen[0] += 1
             if seen[0] == die_after_chunks:
                 os.kill(os.getpid(), signal.SIGKILL)
-
-        vllm_gloo.broadcast = broadcast_then_die
-    if corrupt_chunk is not None:
-        from async_rl.weight_transfer.vllm import gloo_plugin as vllm_gloo
-
-        real_broadcast, chunks = vllm_gloo.broadcast, [0]
-
-        def broadcast_corrupted(group, tensor):
-            real_broadcast(group, tensor)
-            chunks[0] += 1
-            if chunks[0] == corrupt_chunk:
+            if seen[0] == corrupt_chunk:
                 tensor[7] ^= 0x01
 
-        vllm_gloo.broadcast = broadcast_corrupted
+        vllm_gloo.broadcast = broadcast_with_fault
     conn.send("ready")
     while True:
         command, *args = conn.recv()
