@@ -96,6 +96,16 @@ def config_value(run: RunDir, dotted: str):
     return node
 
 
+def consumed_once(run: RunDir) -> dict:
+    """Whether each learner step appears once in metrics.jsonl, and the prompts consumed
+    against steps × train.batch_groups: batches are taken in admission order, so the count
+    says every admitted prompt up to it was consumed once (none lost, none twice)."""
+    steps = run.steps()
+    return {"each_step_once": [s["step"] for s in steps] == list(range(1, len(steps) + 1)),
+            "prompts_consumed": steps[-1]["data/prompts_consumed"] if steps else 0,
+            "prompts_expected": len(steps) * config_value(run, "train.batch_groups")}
+
+
 # -- hostile -------------------------------------------------------------------------
 def hostile_messages(n: int, seed: int = 0) -> list[list[bytes]]:
     """Random bytes, and real messages mutated at random (header bytes flipped, frames
@@ -256,13 +266,13 @@ def drill_stall_actor(args) -> dict:
     finally:
         if proc.poll() is None:
             proc.kill()
-    steps = run.steps()
+    consumed = consumed_once(run)
     result = {"scenario": "stall-actor", "stopped_at_step": stopped_at, "back_after_sigcont_s": round(back_s, 1),
               "registered_again": "registered again" in (run.logs_dir / "actor-0.log").read_text(),
-              "prompts_consumed": steps[-1]["data/prompts_consumed"] if steps else 0,
+              "prompts_consumed": consumed["prompts_consumed"],
               **outcome(run, code, args.target, config_value(run, "max_staleness"))}
     result["passed"] = result.pop("ok") and result["registered_again"] and \
-        result["prompts_consumed"] == len(steps) * config_value(run, "train.batch_groups")
+        consumed["prompts_consumed"] == consumed["prompts_expected"]
     return result
 
 
@@ -287,16 +297,14 @@ def drill_kill_job(args) -> dict:
     start = time.monotonic()
     proc, _ = start_run(args, "kill-job", f"checkpoint.every={every}", resume=True)
     code = finish(proc, args.timeout)
-    steps = run.steps()
+    consumed = consumed_once(run)
     result = {"scenario": "kill-job", "killed_processes": len(tree), "killed_at_step": killed_at,
               "resumed_from_step": resumed_from, "steps_lost": killed_at - resumed_from,
               "resume_wall_s": round(time.monotonic() - start, 1),
-              "each_step_once": [s["step"] for s in steps] == list(range(1, len(steps) + 1)),
-              "prompts_consumed": steps[-1]["data/prompts_consumed"] if steps else 0,
+              "each_step_once": consumed["each_step_once"], "prompts_consumed": consumed["prompts_consumed"],
               **outcome(run, code, args.target, config_value(run, "max_staleness"))}
-    batch = config_value(run, "train.batch_groups")
     result["passed"] = (result.pop("ok") and 0 < resumed_from and result["steps_lost"] <= every
-                        and result["each_step_once"] and result["prompts_consumed"] == len(steps) * batch)
+                        and result["each_step_once"] and consumed["prompts_consumed"] == consumed["prompts_expected"])
     return result
 
 
