@@ -114,14 +114,21 @@ class Actors:
                 proc.kill()
 
 
-def test_actor_killed_mid_broadcast_then_a_newcomer(tmp_path) -> None:
+def learner_and_sender(tmp_path):
+    """The actors' base model, a learner with other weights, the learner's greedy outputs
+    (what a synced actor must answer) and rank 0's sender in vLLM's packed layout."""
     model_dir = save_model(tmp_path / "model", seed=0)
     learner = learner_like(model_dir, seed=1)
     want = [g[0].tokens.tolist() for g in TorchEngine(learner, device="cpu").generate(PROMPTS, max_new_tokens=10,
                                                                                        greedy=True)]
     specs = [(n, tuple(p.shape), p.dtype) for n, p in learner.named_parameters()]
     bc = WeightSender(specs, bucket_mb=BUCKET_MB, host="127.0.0.1", backend="gloo", device=torch.device("cpu"),
-                           timeout_s=10, engine="vllm")
+                      timeout_s=10, engine="vllm")
+    return model_dir, learner, want, bc
+
+
+def test_actor_killed_mid_broadcast_then_a_newcomer(tmp_path) -> None:
+    model_dir, learner, want, bc = learner_and_sender(tmp_path)
     actors = Actors(model_dir, dying={1: 2})
     try:
         assert actors.greedy(2) != want
@@ -160,13 +167,7 @@ def test_actor_killed_mid_broadcast_then_a_newcomer(tmp_path) -> None:
 
 
 def test_a_chunk_corrupted_in_flight_is_refused_and_sent_again(tmp_path) -> None:
-    model_dir = save_model(tmp_path / "model", seed=0)
-    learner = learner_like(model_dir, seed=1)
-    want = [g[0].tokens.tolist() for g in TorchEngine(learner, device="cpu").generate(PROMPTS, max_new_tokens=10,
-                                                                                       greedy=True)]
-    specs = [(n, tuple(p.shape), p.dtype) for n, p in learner.named_parameters()]
-    bc = WeightSender(specs, bucket_mb=BUCKET_MB, host="127.0.0.1", backend="gloo", device=torch.device("cpu"),
-                      timeout_s=10, engine="vllm")
+    model_dir, learner, want, bc = learner_and_sender(tmp_path)
     actors = Actors(model_dir, dying={}, corrupting={1: 3})
     try:
         bc.set_members([1, 2])
