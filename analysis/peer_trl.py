@@ -162,8 +162,8 @@ def run(args) -> int:
         def on_step_end(self, args_, state, control, model=None, **kwargs):
             step = self.last_step = state.global_step
             self.last_time = self.train_seconds()
-            if step == 1:
-                self.first_step_s = self.last_time
+            if step == 1:  # as the evaluation lines round it: a hit at step 1 is then never sooner
+                self.first_step_s = round(self.last_time, 3)
             if (e.every and step % e.every == 0) or step == cfg.train.max_steps:
                 if self.evaluate(model, step, self.last_time) >= args.target:
                     control.should_training_stop = True

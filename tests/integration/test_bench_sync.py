@@ -57,7 +57,7 @@ def test_bench_sync_across_rate_limited_nodes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     measurements = [m for m in lines if m["kind"] == "measurement"]
-    assert {m["mode"] for m in measurements} == {"flat", "bucketed", "nocopy"}
+    assert {m["mode"] for m in measurements} == {"flat", "bucketed", "unverified", "nocopy"}
     for m in measurements:
         assert m["link_mbit"] == 200 and m["over_link_s"] >= 0.9, m
     assert lines[-1]["link_mbit"] == 200
