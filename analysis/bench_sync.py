@@ -167,9 +167,10 @@ def worker(conn, rank: int, threads: int, device_name: str, namespace: str | Non
                 continue
             started = time.perf_counter()
             if op in ("bucketed", "unverified"):
-                _, epoch, world, host, port = msg
+                _, epoch, world, host, port, version = msg
                 receiver.verify = op == "bucketed"
-                receiver.receive(epoch=epoch, rank=rank, world_size=world, store_host=host, store_port=port)
+                receiver.receive(epoch=epoch, rank=rank, world_size=world, store_host=host, store_port=port,
+                                 version=version)
             elif op == "flat":  # the receiver's own group (formed by the first bucketed round)
                 broadcast(receiver.group, flat)
             elif op == "nocopy":  # the same schedule as receive(), into buckets of its own
@@ -263,7 +264,7 @@ class Bench:
                     if mode in ("bucketed", "unverified"):
                         version += 1
                         bc.verify = mode == "bucketed"
-                        self.tell((mode, epoch, world, bc.host, bc.port))
+                        self.tell((mode, epoch, world, bc.host, bc.port, version))
                         t0 = time.perf_counter()
                         bc.publish(version, iter(source))
                         t_pub = time.perf_counter() - t0

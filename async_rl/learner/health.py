@@ -10,7 +10,11 @@ every batch:
   matches (answer format, reward function, or responses cut at the length limit); all
   equal and nonzero: the task is already solved or the reward is constant.
 Each is reported once, as one log line naming the likely cause, after it has held for
-`metrics.warn_after_steps` steps in a row.
+`metrics.warn_after_steps` steps in a row. Earlier, at step EARLY_STEPS, one line says
+so when most groups of the steps so far carried no signal (their samples all scored
+the same): a run starting from reward 0 on a new task, which rarely recovers on its
+own, is told what to do (docs/environments.md#when-a-run-gets-no-signal) within
+seconds rather than minutes.
 
 A third sign is read after the step: **mismatch** between the actors' policy and the
 learner's (`is/mismatch_kl`, importance.py) past `metrics.warn_mismatch_kl`, from stale
@@ -29,6 +33,9 @@ import numpy as np
 
 log = logging.getLogger("async_rl.learner.health")
 
+EARLY_STEPS = 3  # when the early no-signal check reads the steps so far
+EARLY_NO_SIGNAL_SHARE = 0.8  # "most groups": the share of groups without signal that it reports
+
 
 class RunHealth:
     def __init__(self, steps: int, uses_chat_template: bool, max_new_tokens: int,
@@ -37,6 +44,8 @@ class RunHealth:
         self.streaks = {"one_token": 0, "no_variance": 0}
         self.warned: set[str] = set()
         self.next_mismatch = mismatch_threshold
+        # The first EARLY_STEPS steps: groups, groups without signal, rewards' sum, samples, cut samples.
+        self.early = {"steps": 0, "groups": 0, "flat": 0, "reward": 0.0, "samples": 0, "cut": 0}
 
     def check_mismatch(self, step: int, stats: dict[str, float]) -> str | None:
         """Feed one step's figures; returns the mismatch warning issued now (already logged)."""
@@ -68,9 +77,13 @@ class RunHealth:
         """Feed one batch (per-sample rewards, response lengths and truncation flags, in
         whole groups); returns the warnings issued now (already logged)."""
         grouped = rewards.reshape(-1, group_size)
-        findings = {"one_token": float((lengths <= 1).mean()) > 0.5,
-                    "no_variance": bool((grouped.max(axis=1) == grouped.min(axis=1)).all())}
+        flat = grouped.max(axis=1) == grouped.min(axis=1)
+        findings = {"one_token": float((lengths <= 1).mean()) > 0.5, "no_variance": bool(flat.all())}
         issued = []
+        early = self._early(flat, rewards, truncated)
+        if early is not None:
+            issued.append(early)
+            log.warning(early)
         for name, present in findings.items():
             self.streaks[name] = self.streaks[name] + 1 if present else 0
             if self.streaks[name] >= self.steps and name not in self.warned:
@@ -78,6 +91,27 @@ class RunHealth:
                 issued.append(self._message(name, rewards, truncated))
                 log.warning(issued[-1])
         return issued
+
+    def _early(self, flat: np.ndarray, rewards: np.ndarray, truncated: np.ndarray) -> str | None:
+        """At step EARLY_STEPS, the early no-signal line, when most groups so far had none."""
+        e = self.early
+        if e["steps"] >= EARLY_STEPS:
+            return None
+        e["steps"] += 1
+        e["groups"] += int(flat.size)
+        e["flat"] += int(flat.sum())
+        e["reward"] += float(rewards.sum())
+        e["samples"] += int(rewards.size)
+        e["cut"] += int(truncated.sum())
+        if e["steps"] < EARLY_STEPS or e["flat"] < EARLY_NO_SIGNAL_SHARE * e["groups"]:
+            return None
+        cut = e["cut"] / e["samples"]
+        return (f"step {EARLY_STEPS}: {e['flat'] / e['groups']:.0%} of groups ({e['flat']} of {e['groups']}) in the "
+                f"first {EARLY_STEPS} steps carry no learning signal (all their samples scored the same; mean reward "
+                f"{e['reward'] / e['samples']:.3g}"
+                + (f", {cut:.0%} of responses cut at actors.max_new_tokens={self.max_new_tokens}" if cut > 0.25 else "")
+                + "): the policy gradient is near zero, and a run like this rarely recovers on its own; what to do: "
+                "docs/environments.md#when-a-run-gets-no-signal")
 
     def _message(self, name: str, rewards: np.ndarray, truncated: np.ndarray) -> str:
         if name == "one_token" and self.max_new_tokens <= 1:

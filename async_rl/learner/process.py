@@ -82,7 +82,7 @@ def _fail(cfg: Config, rank: int, err: Exception) -> int:
 
 
 def _train(cfg: Config, resume: Path | None) -> int:
-    quiet_libraries()
+    quiet_libraries(Path(cfg.run_dir) / "logs" / f"learner-rank{os.environ.get('RANK', 0)}.warnings")
     if resolve_device(cfg.model.device).type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = resolve_device(cfg.model.device)  # this rank's GPU, now that it is the current one

@@ -1,14 +1,40 @@
 """Loading Hugging Face models and tokenizers the way every role does."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 
-def quiet_libraries() -> None:
-    """Per-load progress bars from transformers would drown the run's own progress bar."""
+def quiet_libraries(log_file: Path | None = None) -> None:
+    """Per-load progress bars from transformers would drown the run's own progress bar.
+    Other libraries' deprecation notices (transformers' FutureWarning on every SmolLM2
+    load) are addressed to code that calls those libraries, not to the run's user: they
+    go to `log_file` (the run's logs), not the console; our own, and every other kind of
+    warning, still reach the console."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if log_file is not None:
+        warnings.showwarning = _deprecations_to(log_file, warnings.showwarning)
+
+
+DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+
+
+def _deprecations_to(log_file: Path, show):
+    package = str(Path(__file__).resolve().parents[1])  # async_rl/
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, DEPRECATIONS) or str(filename).startswith(package):
+            return show(message, category, filename, lineno, file, line)
+        try:
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_file, "a") as out:
+                out.write(warnings.formatwarning(message, category, filename, lineno, line))
+        except OSError:  # a full disk must not turn a notice into a failure
+            pass
+
+    return showwarning
 
 
 def preload_model_libraries() -> None:

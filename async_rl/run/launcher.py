@@ -228,9 +228,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _say(text: str) -> None:
-    """One line on the console; a closed terminal (SIGHUP) must not stop the shutdown."""
+    """One line on the console; a closed terminal (SIGHUP) must not stop the shutdown.
+    On a terminal it first clears the line the learner's progress bar may hold (the bar
+    is redrawn below it), so that the line starts a line of its own."""
     try:
-        print(f"async-rl: {text}", file=sys.stderr, flush=True)
+        clear = "\r\x1b[K" if sys.stderr.isatty() else ""
+        print(f"{clear}async-rl: {text}", file=sys.stderr, flush=True)
     except OSError:
         pass
 

@@ -119,6 +119,9 @@ def generations_table(groups: Sequence[Any], prompt_format, rows: int = GENERATI
     return "\n".join(lines)
 
 
+PROGRESS_EVERY_S = 15.0  # the progress line's period when the console is not a terminal
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, total_steps: int, *, resume_step: int = 0, elapsed: float = 0.0):
         """`resume_step`/`elapsed`: where a resumed run continues; later lines of the
@@ -132,10 +135,11 @@ class MetricsLogger:
         # purge_step hides the stopped run's TensorBoard events after the checkpoint.
         self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
         self._tb.add_custom_scalars(CUSTOM_SCALARS)
-        # Redraw often on a terminal, rarely in a log file.
-        interactive = sys.stderr.isatty()
+        # A bar on a terminal; in a log file, where a bar's redraws run into one line with
+        # whatever else is written, a plain line every PROGRESS_EVERY_S instead.
         self._bar = tqdm(total=total_steps, initial=resume_step, desc="train", unit="step", dynamic_ncols=True,
-                         mininterval=0.2 if interactive else 15.0)
+                         mininterval=0.2, disable=not sys.stderr.isatty())
+        self._total, self._last_line = total_steps, time.monotonic()
         # Log lines go through tqdm while the bar is shown, each on a line of its own.
         self._logging = logging_redirect_tqdm()
         self._logging.__enter__()
@@ -165,12 +169,16 @@ class MetricsLogger:
             self._last_eval = record["eval/accuracy"]
             self._bar.write(f"step {step:4d}  eval accuracy {record['eval/accuracy']:.3f}")
         if "loss/total" in record:
-            self._bar.update(step - self._bar.n)
             last_eval = self._last_eval if self._last_eval is not None else float("nan")
-            self._bar.set_postfix_str(
-                f"reward {record['train/reward_mean']:.2f} eval {last_eval:.2f} "
-                f"stale {record['staleness/mean']:.2f}/{record['staleness/max']} "
-                f"{record['throughput/samples_per_s']:.0f} samples/s", refresh=False)
+            status = (f"reward {record['train/reward_mean']:.2f} eval {last_eval:.2f} "
+                      f"stale {record['staleness/mean']:.2f}/{record['staleness/max']} "
+                      f"{record['throughput/samples_per_s']:.0f} samples/s")
+            if not self._bar.disable:
+                self._bar.update(step - self._bar.n)
+                self._bar.set_postfix_str(status, refresh=False)
+            elif time.monotonic() - self._last_line >= PROGRESS_EVERY_S or step == self._total:
+                self._last_line = time.monotonic()
+                print(f"train: step {step}/{self._total}  {status}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self._logging.__exit__(None, None, None)

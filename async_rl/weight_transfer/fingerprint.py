@@ -48,13 +48,28 @@ def segment_sums(flat: torch.Tensor, starts: Sequence[int]) -> torch.Tensor:
     """The int64 sums (wrapping) of the words of a contiguous 1-D tensor's bytes, one per
     segment starting at the word offsets `starts`, on the tensor's device."""
     raw = flat.view(torch.uint8)
-    if raw.storage_offset() % WORD or raw.numel() % WORD:  # whole words, starting on a word
-        padded = raw.new_zeros(-(-raw.numel() // WORD) * WORD)
-        padded[:raw.numel()] = raw
-        raw = padded
-    words = raw.view(torch.int64)
     if not starts:
         return torch.zeros(0, dtype=torch.int64, device=flat.device)
+    if raw.storage_offset() % WORD:  # words must start on a word: read from a copy that does
+        raw = raw.clone()
+    whole = raw.numel() // WORD * WORD
+    if whole < raw.numel():  # the last word zero-padded, without copying the whole words before it
+        tail = raw.new_zeros(WORD)
+        tail[:raw.numel() - whole] = raw[whole:]
+        sums = _word_sums(raw[:whole].view(torch.int64), starts, whole // WORD)
+        last = tail.view(torch.int64)
+        if starts[-1] < whole // WORD:
+            sums[-1] += last[0]
+            return sums
+        return torch.cat([sums, last])  # the tail word is a segment of its own
+    return _word_sums(raw.view(torch.int64), starts, whole // WORD)
+
+
+def _word_sums(words: torch.Tensor, starts: Sequence[int], count: int) -> torch.Tensor:
+    """Per-segment sums of `words`, for the segments among `starts` that begin before `count`."""
+    starts = [s for s in starts if s < count]
+    if not starts:
+        return torch.zeros(0, dtype=torch.int64, device=words.device)
     if words.device.type == "cpu":  # one pass in C, where a sum per segment costs microseconds of dispatch each
         return torch.from_numpy(np.add.reduceat(words.numpy(), np.asarray(starts, dtype=np.int64)))
     return device_segment_sums(words, starts)

@@ -44,7 +44,6 @@ from async_rl.weight_transfer.store import (
     decode,
     join,
     member_gives_up,
-    poll_store,
     run_abandonable,
 )
 from async_rl.weight_transfer.transports import own_choice, transport_named
@@ -136,15 +135,14 @@ class WeightReceiver:
         and the first tensor that differs. Call only when `verifying`."""
         key = check_key(self._version)
         # Rank 0's publish writes it once the last bucket is filled, before that bucket can
-        # have arrived here: it is there, or within a moment.
+        # have arrived here: it is there, or within a moment. One blocking read (the
+        # store's timeout is the sync's), not a poll, which costs a round trip more.
         try:
-            reason = poll_store(self._store, [key], self.timeout_s, self.give_up, max_pause_s=0.001)
-        except TimeoutError:
+            written = self._store.get(key)
+        except dist.DistStoreError:
             raise WeightMismatch(f"rank 0 wrote no fingerprint of version {self._version} within "
                                  f"{self.timeout_s:.0f}s: what arrived is another version") from None
-        if reason is not None:
-            raise SyncAbandoned(reason)
-        sent = decode(Fingerprint, self._store.get(key), "fingerprint")
+        sent = decode(Fingerprint, written, "fingerprint")
         if sent.version != self._version:
             raise ValueError(f"malformed fingerprint in the sync store: {key} names version {sent.version}")
         for copy in landed:

@@ -424,3 +424,16 @@ def test_bench_peer_trl(tmp_path, demo_model):
     r = line["trl"]
     check_peer_figures(r, steps=1)  # stopped at the first evaluation after step 0
     assert r["steps_run"] == 1 and r["eval_s_subtracted"] > 0
+
+
+def test_verify_cost_runs_the_demo_both_ways(tmp_path, demo_model):
+    proc = subprocess.run([sys.executable, str(ROOT / "analysis/verify_cost.py"), "--config",
+                           str(ROOT / "configs/demo.yaml"), "--runs", "1", "--steps", "4", "--out", str(tmp_path),
+                           f"model.path={demo_model}", "checkpoint.every=0"],
+                          capture_output=True, text=True, timeout=120, env=subprocess_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line.get("verify") for line in lines[:2]] == [True, False] and lines[2]["kind"] == "summary"
+    for line in lines[:2]:
+        assert line["actor_syncs"] >= 3 and line["actor_sync_median_ms"] > 0 and line["steps_per_s"] > 0
+    assert lines[2]["runs_each"] == 1

@@ -26,7 +26,7 @@ def test_one_token_responses_warn_once_after_the_streak(caplog):
 
 def test_a_streak_must_be_unbroken():
     health = RunHealth(steps=2, uses_chat_template=True, max_new_tokens=8)
-    flat, varied = batch([0, 0, 0, 0], [5] * 4), batch([0, 1, 0, 0], [5] * 4)
+    flat, varied = batch([0, 0, 0, 0], [5] * 4), batch([0, 1, 1, 0], [5] * 4)
     for b in (flat, varied, flat, varied, flat):
         assert health.check(*b, group_size=2) == []
     (msg,) = health.check(*flat, group_size=2)
@@ -62,3 +62,31 @@ def test_an_environments_too_long_answers_are_named_once(caplog):
         assert health.check_observations(3, 5, "mine:make", 256) is None  # once
     assert "environment mine:make" in msg and "env.max_tokens=256" in msg and "3 episode" in msg
     assert [r.getMessage() for r in caplog.records] == [msg]
+
+
+def test_most_groups_without_signal_in_the_first_steps_warn_once_at_step_3(caplog):
+    health = RunHealth(steps=10, uses_chat_template=True, max_new_tokens=24)
+    flat = batch([0] * 8, [24, 24, 24, 5, 5, 5, 5, 5], [1, 1, 1, 0, 0, 0, 0, 0])  # 4 groups of 2, all flat
+    one_varied = batch([0, 1, 0, 0, 0, 0, 0, 0], [5] * 8)  # 1 of 4 groups has signal
+    with caplog.at_level(logging.WARNING, logger="async_rl.learner.health"):
+        assert health.check(*flat, group_size=2) == []
+        assert health.check(*one_varied, group_size=2) == []
+        (msg,) = health.check(*flat, group_size=2)
+        for _ in range(5):
+            assert health.check(*flat, group_size=2) == []  # once; the streak's own line comes at step 10
+    # 11 of 12 groups flat; mean reward 1/24; 6 of 24 responses cut (25%: not named)
+    assert msg.startswith("step 3: 92% of groups (11 of 12) in the first 3 steps carry no learning signal")
+    assert "mean reward 0.0417" in msg and "cut at" not in msg
+    assert msg.endswith("docs/environments.md#when-a-run-gets-no-signal") and "\n" not in msg
+    assert [r.getMessage() for r in caplog.records] == [msg]
+
+
+def test_the_early_line_needs_most_groups_flat_and_names_cut_responses():
+    health = RunHealth(steps=10, uses_chat_template=True, max_new_tokens=24)
+    half = batch([0, 1, 0, 0], [5] * 4)  # 1 of 2 groups flat
+    assert all(health.check(*half, group_size=2) == [] for _ in range(4))
+    health = RunHealth(steps=10, uses_chat_template=True, max_new_tokens=24)
+    cut = batch([0] * 4, [24] * 4, [1, 1, 1, 0])
+    assert health.check(*cut, group_size=2) == [] and health.check(*cut, group_size=2) == []
+    (msg,) = health.check(*cut, group_size=2)
+    assert "75% of responses cut at actors.max_new_tokens=24" in msg

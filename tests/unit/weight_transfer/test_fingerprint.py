@@ -120,3 +120,23 @@ def test_the_host_and_device_ways_to_sum_agree():
     words = torch.randint(-2**62, 2**62, (5000,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
     starts = [0, 1, 17, 1000, 4999]
     assert segment_sums(words, starts).tolist() == device_segment_sums(words, starts).tolist()
+
+
+def reference_sums(raw: torch.Tensor, starts: list[int]) -> list[int]:
+    """The definition, word by word in Python: little-endian words, the last zero-padded."""
+    data = bytes(raw.tolist()) + bytes(-raw.numel() % 8)
+    words = [int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data), 8)]
+    ends = [*starts[1:], len(words)]
+    return [as_int64(sum(words[a:b])) for a, b in zip(starts, ends)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_partial_last_words_and_odd_offsets_agree_with_the_definition(seed):
+    rng = random.Random(seed)
+    backing = torch.randint(0, 256, (200,), dtype=torch.uint8)
+    offset, size = rng.randrange(0, 9), rng.randrange(1, 150)
+    raw = backing[offset:offset + size]
+    words = -(-size // 8)
+    starts = sorted({0, *rng.sample(range(words), k=min(words, rng.randrange(1, 5)))})
+    assert segment_sums(raw, starts).tolist() == reference_sums(raw, starts)
+
