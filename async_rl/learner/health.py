@@ -19,8 +19,8 @@ seconds rather than minutes.
 A third sign is read after the step: **mismatch** between the actors' policy and the
 learner's (`is/mismatch_kl`, importance.py) past `metrics.warn_mismatch_kl`, from stale
 data or from two engines' numbers (bf16 kernels, vLLM), where token-level weights correct
-less well; the line says so when the mismatch first passes the threshold and again
-each time it doubles, and points at the corrections.
+less well; the line says so when the mismatch has stayed over the threshold for
+MISMATCH_STEPS steps, and again each time it doubles, and points at the corrections.
 
 An environment that answers with more text than its episodes can hold (an observation
 past env.max_tokens) is reported once too, naming the environment.
@@ -33,6 +33,9 @@ import numpy as np
 
 log = logging.getLogger("async_rl.learner.health")
 
+# Steps in a row the mismatch must stay over its threshold: one step's spike (the demo's
+# first stale batch after its first update) is not a trend, and is not worth a line.
+MISMATCH_STEPS = 2
 EARLY_STEPS = 3  # when the early no-signal check reads the steps so far
 EARLY_NO_SIGNAL_SHARE = 0.8  # "most groups": the share of groups without signal that it reports
 
@@ -44,6 +47,7 @@ class RunHealth:
         self.streaks = {"one_token": 0, "no_variance": 0}
         self.warned: set[str] = set()
         self.next_mismatch = mismatch_threshold
+        self.mismatch_streak = 0  # steps in a row over the threshold
         # The first EARLY_STEPS steps: groups, groups without signal, rewards' sum, samples, cut samples.
         self.early = {"steps": 0, "groups": 0, "flat": 0, "reward": 0.0, "samples": 0, "cut": 0}
 
@@ -51,7 +55,12 @@ class RunHealth:
         """Feed one step's figures; returns the mismatch warning issued now (already logged)."""
         kl = stats.get("is/mismatch_kl")
         if self.next_mismatch is None or kl is None or kl <= self.next_mismatch:
+            self.mismatch_streak = 0
             return None
+        self.mismatch_streak += 1
+        if self.mismatch_streak < MISMATCH_STEPS:
+            return None
+        self.mismatch_streak = 0
         threshold, self.next_mismatch = self.next_mismatch, 2 * max(kl, self.next_mismatch)
         message = (f"step {step}: mismatch KL(actors || learner) {kl:.3g} is over {threshold:.3g} "
                    f"(token ratio max {stats.get('is/ratio_max', float('nan')):.3g}, "

@@ -54,6 +54,14 @@ def check_lora(cfg: Config) -> None:
     problem = check_targets(cfg.model.path, cfg.model.lora.target_modules)
     if problem:
         raise ConfigError(problem)
+    if cfg.train.lr < LORA_MIN_LR:
+        log.warning("model.lora with train.lr=%g: adapters learn little at a full model's rate; docs/lora.md "
+                    "measures train.lr=2e-4 (set it with model.lora.rank)", cfg.train.lr)
+
+
+# Below this, LoRA adapters barely move: docs/lora.md's runs learn at 1e-4 to 2e-4, ten
+# times a full fine-tune's rate, which a user adding only model.lora.rank keeps.
+LORA_MIN_LR = 1e-4
 
 
 def task_of(cfg: Config):

@@ -3,6 +3,7 @@ targets checked against the model, the adapter directory peft loads, and an adap
 sync over a real gloo broadcast after which the actor's engine answers as the learner's
 merged model does (over CUDA IPC where a GPU is visible)."""
 import copy
+import logging
 import threading
 
 import pytest
@@ -190,3 +191,16 @@ def test_folding_version_after_version_drifts_by_rounding_alone(chat_model):
     with torch.no_grad():
         got, logits = engine.model(input_ids=X).logits, merged(input_ids=X).logits
     assert float((got - logits).abs().max()) <= drift * float(logits.abs().max())
+
+
+def test_lora_at_a_full_models_learning_rate_gets_one_line_naming_the_setting(chat_model, caplog):
+    from async_rl.config import load_config
+    from async_rl.run.checks import check_lora
+
+    with caplog.at_level(logging.WARNING, logger="async_rl.launch"):
+        check_lora(load_config(None, [f"model.path={chat_model}", "model.lora.rank=8", "train.lr=2e-5"]))
+        (line,) = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        check_lora(load_config(None, [f"model.path={chat_model}", "model.lora.rank=8", "train.lr=2e-4"]))
+        assert not caplog.records
+    assert line.startswith("model.lora with train.lr=2e-05") and "docs/lora.md" in line and "train.lr=2e-4" in line
