@@ -143,7 +143,7 @@ def kill_tree(proc: subprocess.Popen) -> list[int]:
 def train(run_dir: Path, model: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
     """`async-rl train` on the demo config, shrunk to a few small steps."""
     small = ["train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4", "eval.every=2"]
-    if "task.name=jsonl" not in overrides:  # a jsonl task's held-out set is its eval_path
+    if not {"task.name=jsonl", "task.name=dataset"} & set(overrides):  # their held-out sets are their own
         small.append("task.eval_size=32")
     cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run_dir}",
            f"model.path={model}", *small, *overrides]

@@ -86,6 +86,8 @@ def check_task(cfg: Config) -> None:
     if spec and ".py:" in spec and not Path(spec.rsplit(":", 1)[0]).is_absolute():
         file, fn = spec.rsplit(":", 1)
         cfg.task.reward = f"{Path(file).resolve()}:{fn}"
+    if getattr(cfg.task, "name", None) == "dataset":  # every process reads it from the same place
+        cfg.task.path = str(Path(cfg.task.path).resolve())
     task = task_of(cfg)
     try:
         prompt_format = prompt_format_for(cfg.model.path, cfg.task, load_tokenizer(cfg.model.path, quick=True))
@@ -96,10 +98,15 @@ def check_task(cfg: Config) -> None:
         raise ConfigError(f"task: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
     if cfg.task.chat_template is False and prompt_format.tokenizer.chat_template:
         log.warning("task.chat_template=false, but the tokenizer has a chat template: a chat model usually needs it")
+    if spec is None and getattr(cfg.task, "name", None) in ("jsonl", "dataset"):
+        if cfg.env is None:
+            raise ConfigError(f"task.reward: a {cfg.task.name} task needs a reward, unless an environment "
+                              "(env.name) scores its episodes")
+        samples = []  # the environment scores: the reward is never called
     for prompt in samples:
         for response in (prompt.answer, ""):
             try:
-                value = task.reward(prompt.text, response, prompt.answer)
+                value = task.reward(prompt.text, response, prompt.answer, **prompt.fields)
             except Exception as err:  # user code: any failure is a config error here
                 raise ConfigError(f"task.reward: {spec or 'the task reward'} raised {type(err).__name__}: "
                                   f"{str(err).splitlines()[0] if str(err) else ''} on a sample (response "

@@ -1,7 +1,8 @@
 """Tasks: prompt sources and reward functions.
 
 ``make_task("arithmetic", seed=..., digits=2)`` or
-``make_task("jsonl", seed=..., path="data.jsonl", reward="pkg.mod:fn")``.
+``make_task("jsonl", seed=..., path="data.jsonl", reward="pkg.mod:fn")``, or
+``make_task("dataset", seed=..., path="data.parquet", prompt_column="question")``.
 Reward functions are referenced as ``"module:function"``;
 ``async_rl.tasks.arithmetic:exact_match`` is a ready-made one.
 """
@@ -12,6 +13,7 @@ from typing import Any
 
 from async_rl.tasks.arithmetic import ArithmeticTask, exact_match
 from async_rl.tasks.base import EVAL_ID_OFFSET, Prompt, RewardFn, Task, is_eval_id
+from async_rl.tasks.dataset import DatasetTask
 from async_rl.tasks.jsonl import JsonlTask, read_jsonl
 from async_rl.tasks.reasoning_gym_adapter import ReasoningGymTask
 from async_rl.tasks.rewards import load_reward_fn
@@ -19,7 +21,7 @@ from async_rl.tasks.tool_problems import ToolProblemsTask
 from async_rl.tasks.word_problems import WordProblemsTask
 
 TASKS = {"arithmetic": ArithmeticTask, "word_problems": WordProblemsTask, "tool_problems": ToolProblemsTask,
-         "jsonl": JsonlTask, "reasoning_gym": ReasoningGymTask}
+         "jsonl": JsonlTask, "dataset": DatasetTask, "reasoning_gym": ReasoningGymTask}
 
 
 class WithReward:
@@ -34,7 +36,7 @@ class WithReward:
     def eval_prompts(self) -> list[Prompt]:
         return self.task.eval_prompts()
 
-    def reward(self, prompt: str, response: str, answer: str) -> float:
+    def reward(self, prompt: str, response: str, answer: str, **fields: Any) -> float:
         return self._reward(prompt, response, answer)  # checked by the caller (prepare, actors)
 
 
@@ -60,6 +62,10 @@ def task_from_config(section, seed: int) -> Task:
     if section.name == "jsonl":
         return make_task("jsonl", seed=seed, path=section.train_path, eval_path=section.eval_path,
                          reward=section.reward)
+    if section.name == "dataset":
+        return make_task("dataset", seed=seed, path=section.path, split=section.split,
+                         prompt_column=section.prompt_column, answer_column=section.answer_column,
+                         eval_split=section.eval_split, eval_fraction=section.eval_fraction, reward=section.reward)
     if section.name == "reasoning_gym":
         return make_task("reasoning_gym", seed=seed, dataset=section.dataset, options=section.dataset_options,
                          eval_size=section.eval_size, system_prompt=section.system_prompt)

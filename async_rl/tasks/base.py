@@ -18,9 +18,9 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -34,7 +34,8 @@ RewardFn = Callable[[str, str, str], float]
 @dataclass(frozen=True)
 class Prompt:
     """One prompt. The model sees ``messages`` when given (a conversation, rendered with
-    the chat template), else ``text``; ``answer`` only goes to the reward. ``text`` is
+    the chat template), else ``text``; ``answer`` and ``fields`` only go to the reward
+    and the environment. ``text`` is
     always the question itself (for a conversation: its last user turn), which is what
     reward functions receive as ``prompt``."""
 
@@ -42,6 +43,9 @@ class Prompt:
     text: str
     answer: str
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) turns
+    # The row's other columns (a dataset's or a JSONL line's keys besides the prompt and
+    # the answer): for the environment factory, and for a reward that names them.
+    fields: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def conversation(self) -> list[dict[str, str]]:
         """The prompt as chat messages: its turns, or one user turn of its text."""
@@ -62,8 +66,8 @@ class Task(Protocol):
         """The fixed held-out set, disjoint from every training prompt."""
         ...
 
-    def reward(self, prompt: str, response: str, answer: str) -> float:
-        """Score one response."""
+    def reward(self, prompt: str, response: str, answer: str, **fields: Any) -> float:
+        """Score one response; `fields`: the prompt's (`Prompt.fields`)."""
         ...
 
 

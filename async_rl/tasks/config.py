@@ -37,11 +37,26 @@ class ToolProblemsConfig(_Rendering):
     reward: str | None = Field(None, description=REWARD)
 
 
+ROW_REWARD = ("Reward `f(prompt, response, answer, ...)` (and the row's columns it names): a built-in, "
+              "`module:function` or `file.py:function`; null = env.name scores.")
+
+
 class JsonlConfig(_Rendering):
     name: Literal["jsonl"] = "jsonl"
-    train_path: str = Field(description="Training prompts: lines with `answer` and `prompt` or `messages`.")
+    train_path: str = Field(description="Training prompts: lines with `answer` and `prompt` or `messages`; other keys are the prompt's fields.")
     eval_path: str | None = Field(None, description="Held-out prompts (null = a held-out 10% of train_path).")
-    reward: str = Field(description="Reward `f(prompt, response, answer) -> float`: a built-in name, `module:function` or `path/file.py:function`.")
+    reward: str | None = Field(None, description=ROW_REWARD)
+
+
+class DatasetConfig(_Rendering):
+    name: Literal["dataset"] = "dataset"
+    path: str = Field(description="A Hugging Face dataset: a parquet, arrow, csv or jsonl file, or a save_to_disk folder.")
+    split: str = Field("train", description="The split to train on (a file is one split, `train`).")
+    prompt_column: str = Field("prompt", description="The prompt: a string, or a chat (a list of role/content messages).")
+    answer_column: str = Field("answer", description="The answer the reward compares with (may be absent when the environment scores).")
+    eval_split: str | None = Field(None, description="Held-out prompts from this split (null = a held-out eval_fraction of `split`).")
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Held out when there is no eval_split, the same rows for every seed.")
+    reward: str | None = Field(None, description=ROW_REWARD)
 
 
 class ReasoningGymConfig(_Rendering):
@@ -51,5 +66,5 @@ class ReasoningGymConfig(_Rendering):
     eval_size: int = Field(256, ge=1, description="Held-out prompts, never trained on.")
 
 
-TASKS = (ArithmeticConfig, WordProblemsConfig, ToolProblemsConfig, JsonlConfig, ReasoningGymConfig)
+TASKS = (ArithmeticConfig, WordProblemsConfig, ToolProblemsConfig, JsonlConfig, DatasetConfig, ReasoningGymConfig)
 TaskConfig = choice(*TASKS, default=ArithmeticConfig)

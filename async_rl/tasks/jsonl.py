@@ -3,8 +3,10 @@
 Each non-blank line is an object with an ``answer`` (a string; a number is accepted
 and turned into its text) and either a ``prompt`` (a string) or ``messages`` (a chat:
 a list of ``{"role": "system" | "user" | "assistant", "content": str}`` ending with a
-user turn), as in the chat datasets of TRL and verl. Other keys are ignored, so files
-written for other tools load as they are. Held-out prompts come from ``eval_path``
+user turn), as in the chat datasets of TRL and verl. Other keys become the prompt's
+`fields` (rows.py), for the environment and for a reward that names them, so files
+written for other tools load as they are. The answer may be left out where an
+environment scores the episodes (no reward given). Held-out prompts come from ``eval_path``
 when given, else a fixed fraction of the file chosen by ``eval_seed`` (independent
 of the run seed, so every seed is evaluated on the same prompts).
 """
@@ -12,37 +14,17 @@ of the run seed, so every seed is evaluated on the same prompts).
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
-from async_rl.tasks.base import EVAL_ID_OFFSET, EpochSampler, Prompt, RewardFn
-from async_rl.tasks.rewards import load_reward_fn
+from async_rl.tasks.base import RewardFn
+from async_rl.tasks.rows import Row, RowsTask, held_out, row_of
 
 DEFAULT_REWARD = "async_rl.tasks.arithmetic:exact_match"
 
 
-Row = tuple[str, str, "tuple[tuple[str, str], ...] | None"]  # (question text, answer, chat turns)
-ROLES = ("system", "user", "assistant")
-
-
-def _messages(value: object, where: str) -> tuple[tuple[str, str], ...]:
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
-    turns = []
-    for k, turn in enumerate(value):
-        if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
-            raise ValueError(f"{where}: messages[{k}] must be {{'role': one of {'/'.join(ROLES)}, 'content': string}}")
-        turns.append((turn["role"], turn["content"]))
-    if turns[-1][0] != "user":
-        raise ValueError(f"{where}: the last message must be the user's turn (the model answers it)")
-    return tuple(turns)
-
-
-def read_jsonl(path: str | Path) -> list[Row]:
-    """Read ``(text, answer, messages)`` rows; a bad line raises ValueError naming file and line."""
+def read_jsonl(path: str | Path, answer_required: bool = True) -> list[Row]:
+    """Read ``(text, answer, messages, fields)`` rows; a bad line raises ValueError naming
+    file and line."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -59,27 +41,13 @@ def read_jsonl(path: str | Path) -> list[Row]:
             raise ValueError(f"{where}: invalid JSON ({exc.msg})") from exc
         if not isinstance(obj, dict):
             raise ValueError(f"{where}: expected a JSON object with 'answer' and 'prompt' or 'messages'")
-        messages = None
-        if "messages" in obj:
-            messages = _messages(obj["messages"], where)
-            prompt = messages[-1][1]
-        else:
-            prompt = obj.get("prompt")
-            if not isinstance(prompt, str) or not prompt:
-                raise ValueError(f"{where}: 'prompt' must be a non-empty string (or give 'messages')")
-        answer = obj.get("answer")
-        # bool is an int subclass; True as an answer is almost surely a mistake.
-        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-            answer = str(answer)
-        if not isinstance(answer, str):
-            raise ValueError(f"{where}: 'answer' must be a string (or a number)")
-        rows.append((prompt, answer, messages))
+        rows.append(row_of(obj, where, prompt=("messages", "prompt"), answer_required=answer_required))
     if not rows:
         raise ValueError(f"{path}: no prompts in file")
     return rows
 
 
-class JsonlTask:
+class JsonlTask(RowsTask):
     """Training prompts walk the file epoch by epoch, each epoch in a seeded order."""
 
     def __init__(
@@ -90,51 +58,12 @@ class JsonlTask:
         eval_path: str | Path | None = None,
         eval_fraction: float = 0.1,
         eval_seed: int = 0,
-        reward: str | RewardFn = DEFAULT_REWARD,
+        reward: str | RewardFn | None = DEFAULT_REWARD,
     ) -> None:
-        rows = read_jsonl(path)
+        rows = read_jsonl(path, answer_required=reward is not None)
         if eval_path is not None:
-            train_rows, eval_rows = rows, read_jsonl(eval_path)
+            train_rows, eval_rows = rows, read_jsonl(eval_path, answer_required=reward is not None)
         else:
-            train_rows, eval_rows = self._split(rows, eval_fraction, eval_seed, path)
+            train_rows, eval_rows = held_out(rows, eval_fraction, eval_seed, str(path), "eval_path")
         self.path = Path(path)
-        self.seed = int(seed)
-        self._train = train_rows
-        self._eval = eval_rows
-        self._sampler = EpochSampler(len(train_rows), self.seed)
-        self._reward: Callable[[str, str, str], float] = (
-            load_reward_fn(reward) if isinstance(reward, str) else reward
-        )
-        if not callable(self._reward):
-            raise ValueError(f"jsonl task: reward must be a 'module:function' spec or a callable, got {reward!r}")
-
-    @staticmethod
-    def _split(rows: list[Row], fraction: float, eval_seed: int, path: str | Path) -> tuple[list[Row], list[Row]]:
-        if not 0.0 < fraction < 1.0:
-            raise ValueError(f"jsonl task: eval_fraction must be in (0, 1), got {fraction}")
-        n_eval = math.ceil(fraction * len(rows))
-        if n_eval >= len(rows):
-            raise ValueError(
-                f"{path}: {len(rows)} prompt(s) is too few to hold out {fraction:.0%} for evaluation;"
-                " add prompts or give eval_path"
-            )
-        order = np.random.default_rng([eval_seed, 0x5E1]).permutation(len(rows))
-        # Keep both parts in file order: easier to inspect, and the training order is
-        # reshuffled by the epoch sampler anyway.
-        eval_idx = set(order[:n_eval].tolist())
-        train = [r for i, r in enumerate(rows) if i not in eval_idx]
-        held = [r for i, r in enumerate(rows) if i in eval_idx]
-        return train, held
-
-    @property
-    def num_train(self) -> int:
-        return len(self._train)
-
-    def train_prompt(self, index: int) -> Prompt:
-        return Prompt(index, *self._train[self._sampler(index)])
-
-    def eval_prompts(self) -> list[Prompt]:
-        return [Prompt(EVAL_ID_OFFSET + k, *row) for k, row in enumerate(self._eval)]
-
-    def reward(self, prompt: str, response: str, answer: str) -> float:
-        return self._reward(prompt, response, answer)  # checked by the caller (prepare, actors)
+        super().__init__(seed, train_rows, eval_rows, reward)

@@ -146,3 +146,31 @@ def test_jsonl_task_with_reward_function_and_rloo(tmp_path, demo_model):
           "task.reward=async_rl.tasks.arithmetic:exact_match", "train.advantage=rloo")
     steps, evals = read_metrics(run)
     assert len(steps) == 2 and evals and 0.0 <= evals[-1]["eval/accuracy"] <= 1.0
+
+
+def test_a_parquet_dataset_with_extra_columns_feeds_the_environment(tmp_path, demo_model):
+    """Written by `datasets` with its own column names, trained on with no conversion and
+    no reward: the environment scores each episode from a column of its row."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"question": f"{a}+{b}=", "db_id": f"db{a}", "expected": str(a + b)}
+            for a in range(10, 30) for b in range(40, 45)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "rows.parquet"))
+    (tmp_path / "field_env.py").write_text(
+        "from async_rl.actor.environments import Turn\n\n\n"
+        "class ReadsItsRow:\n"
+        "    def __init__(self, prompt):\n"
+        "        self.db = prompt.fields['db_id']\n"
+        "        self.right = prompt.fields['db_id'] == 'db' + prompt.text.split('+')[0]\n\n"
+        "    def step(self, action):\n"
+        "        return Turn(reward=1.0 if self.right else 0.0, done=True)\n\n\n"
+        "def make(prompt):\n"
+        "    return ReadsItsRow(prompt)\n")
+    run = tmp_path / "dataset"
+    train(run, demo_model, "train.max_steps=2", "learner.ranks=1", "task.name=dataset",
+          f"task.path={tmp_path / 'rows.parquet'}", "task.prompt_column=question", "task.answer_column=expected",
+          f"env.name={tmp_path / 'field_env.py'}:make", "env.max_turns=1")
+    steps, evals = read_metrics(run)
+    # Every episode the environment saw scored 1; a turn cut at max_new_tokens never reaches step().
+    assert len(steps) == 2 and all(s["train/reward_mean"] == 1.0 - s["train/truncated_frac"] for s in steps)
+    assert not any(k.startswith("env/errors") and v for s in steps for k, v in s.items())
+    assert evals[-1]["eval/accuracy"] == 1.0

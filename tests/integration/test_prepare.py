@@ -41,7 +41,7 @@ def test_a_good_task_prepares(tmp_path, demo_model, data, capsys):
 def test_the_first_bad_jsonl_line_is_named(tmp_path, demo_model, capsys):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 3 + ['{"prompt": "x"}'])
     assert prepare(tmp_path, demo_model, "task.name=jsonl", f"task.train_path={bad}", "task.reward=last_number") == 2
-    assert f"{bad}:4: 'answer' must be a string" in one_line_error(capsys)
+    assert f"{bad}:4: no 'answer' (the answer the reward compares with)" in one_line_error(capsys)
 
 
 @pytest.mark.parametrize(("code", "needle"), [
@@ -149,3 +149,20 @@ def test_vllm_actors_on_a_model_vllm_cannot_run_fail_before_launch(tmp_path, dem
     """The demo model for torch actors: 16-wide heads, which vLLM's CPU attention lacks."""
     assert prepare(tmp_path, demo_model, "actors.engine=vllm", "model.device=cpu") == 2
     assert "model.path: head size 16 is not one vLLM's CPU attention implements" in one_line_error(capsys)
+
+
+def test_a_row_task_without_reward_or_environment_and_a_missing_column_are_one_line(tmp_path, demo_model, data,
+                                                                                  capsys):
+    assert prepare(tmp_path, demo_model, "task.name=jsonl", f"task.train_path={data}") == 2
+    assert "task.reward: a jsonl task needs a reward, unless an environment (env.name) scores" in \
+        one_line_error(capsys)
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list([{"q": f"{a}+3=", "a": str(a + 3)} for a in range(20)]).to_parquet(
+        str(tmp_path / "rows.parquet"))
+    capsys.readouterr()  # the writer's progress bar
+    assert prepare(tmp_path, demo_model, "task.name=dataset", f"task.path={tmp_path / 'rows.parquet'}",
+                   "task.prompt_column=question", "task.reward=last_number") == 2
+    assert "no column 'question' (task.prompt_column); it has a, q" in one_line_error(capsys)
+    assert prepare(tmp_path, demo_model, "task.name=dataset", "task.path=rows.parquet", "task.prompt_column=q",
+                   "task.answer_column=a", "task.reward=last_number") == 2  # relative to the working directory
+    assert "rows.parquet: no such file or folder" in one_line_error(capsys)

@@ -6,7 +6,9 @@ env_config=env.options, extras=row)`, `init(prompt)`, then `step(action)` once p
 policy turn, whose `observations` (chat messages), `reward` and `done` become a Turn,
 and `close()` at the end. The row's `extras` are those of SkyRL's dataset format, made
 from the task's prompt: `reward_spec.ground_truth` = the prompt's answer, `max_turns` =
-`env.max_turns`, an empty `extra_info`.
+`env.max_turns`, an empty `extra_info`, and over them the prompt's fields (the
+dataset's other columns: a row's own `reward_spec`, `extra_info`, `reward_model`,
+`db_id`, as SkyRL's datasets carry them).
 
 Not carried over: an `init` that rewrites the prompt (the episode's prompt is the task's,
 tokenized once for the whole group; such an environment fails its episodes, counted),
@@ -53,7 +55,7 @@ def skyrl_factory(name: str, options: dict, max_turns: int) -> EnvironmentFactor
 
     def make(prompt: Prompt) -> SkyRLEnvironment:
         extras = {"reward_spec": {"method": "rule", "ground_truth": prompt.answer}, "extra_info": {},
-                  "max_turns": max_turns}
+                  "max_turns": max_turns, **prompt.fields}
         env = SkyRLEnvironment(skyrl_gym.make(env_id, env_config=env_config, extras=extras))
         messages = prompt.conversation()  # without the run's task.system_prompt
         first, _ = env.env.init(messages)

@@ -14,6 +14,7 @@ environment the greedy episode plays against one too.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -155,7 +156,7 @@ class Rollout:
             return
         pairs = [(p, ep) for p, group in zip(prompts, groups, strict=True) for ep in group]
         calls = Calls()
-        calls.submit([Call(i, self.reward, self.task.reward,
+        calls.submit([Call(i, self.reward, functools.partial(self.task.reward, **p.fields),
                            (p.text, self.prompt_format.response_text(ep.tokens), p.answer), as_reward)
                       for i, (p, ep) in enumerate(pairs)])
         for i, outcome in calls.wait_all().items():

@@ -31,7 +31,7 @@ def test_yaml_round_trip(config):
     ("learner.ranks=0", "learner.ranks"),
     ("learner.ranks=some", "learner.ranks"),
     ("task.name=jsonl", "task.train_path: required when task.name=jsonl"),
-    ("task.name=jsonl task.train_path=x.jsonl", "task.reward: required when task.name=jsonl"),
+    ("task.name=dataset", "task.path: required when task.name=dataset"),
     ("task.name=reasoning_gym task.dataset=leg_counting task.reward=exact_match",
      "task.reward: unknown key for task.name=reasoning_gym"),
     ("nonsense", "nonsense:"),

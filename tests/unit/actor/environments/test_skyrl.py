@@ -106,3 +106,15 @@ def test_episodes_run_to_the_environments_end_and_close_it(engine_and_format):
 def test_an_init_that_rewrites_the_prompt_fails_its_episodes(engine_and_format):
     episodes = _episodes(engine_and_format, "skyrl_gym/async_rl_test_rewriter", {"reply": "x"})
     assert [(ep.failure, ep.reward, ep.turns) for ep in episodes] == [("raised", -1.0, 0)] * 2
+
+
+def test_an_environment_that_needs_a_field_of_its_row_gets_it_from_the_prompt():
+    """skyrl-gym's `aime` asserts on a `reward_model` extra, which SkyRL's datasets carry
+    as a column: a dataset task's other columns reach it as they are."""
+    make = environment_factory("skyrl_gym/aime", {}, max_turns=1)
+    with pytest.raises(AssertionError, match="reward_model field is required"):
+        make(PROMPT)
+    row = Prompt(id=0, text=PROMPT.text, answer="7",
+                 fields={"reward_model": {"method": "rule", "ground_truth": "7"}, "data_source": "aime"})
+    assert make(row).step("Answer: 7").reward == 1.0  # aime's format; a miss scores -1
+    assert make(row).step("Answer: 8").reward == -1.0
