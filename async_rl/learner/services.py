@@ -114,7 +114,7 @@ class Rank0Services:
             "learner/idle_frac": min(1.0, data.waited / interval),
             "sync/seconds": sync_s, "sync/bytes": self.sync_bytes,
             "sync/broadcast_seconds": self.sender.last_broadcast_s, **self.coordinator.counters(),
-        }, texts=data.texts, histograms={
+        }, texts=data.texts, samples=data.dumped, histograms={
             # Importance weights and sequence log-ratios of rank 0's rows only (whole
             # groups, 1/learner.ranks of the batch): a fair sample, without a collective.
             **data.histograms, **{tag: torch.cat(values) for tag, values in histograms.items() if values}})

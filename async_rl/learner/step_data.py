@@ -15,6 +15,7 @@ from async_rl.config import Config
 from async_rl.coordinator.replay_buffer import Taken
 from async_rl.learner.health import RunHealth
 from async_rl.run.metrics import batch_histograms, generations_table, version_mix
+from async_rl.run.samples import sample_records
 from async_rl.wire.messages import FAILURE_REASONS, zero_counts
 
 
@@ -27,6 +28,7 @@ class StepData:
     errors: StepErrors  # the user-code calls that failed
     histograms: dict[str, Any]
     texts: dict[str, str] | None
+    dumped: list[dict[str, Any]] | None = None  # whole samples for RUN/samples.jsonl (run/samples.py)
 
 
 def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float, prompt_format,
@@ -61,11 +63,13 @@ def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float,
                         "env/observations_cut": sum(g.observations_cut for g in groups)})
         health.check_observations(learner_version + 1, metrics["env/observations_cut"], cfg.env.name,
                                   cfg.env.max_tokens)
-    texts = None
+    texts = dumped = None
     if cfg.metrics.text_every and (learner_version + 1) % cfg.metrics.text_every == 0:
         texts = {"samples/generations": generations_table(groups, prompt_format)}
+    if cfg.metrics.samples_every and (learner_version + 1) % cfg.metrics.samples_every == 0:
+        dumped = sample_records(groups, prompt_format, learner_version + 1, cfg.metrics.samples_per_dump)
     return StepData(metrics, samples=len(lengths), gen_tokens=float(lengths.sum()), waited=waited,
-                    errors=errors, histograms=batch_histograms(groups, staleness), texts=texts)
+                    errors=errors, histograms=batch_histograms(groups, staleness), texts=texts, dumped=dumped)
 
 
 def policy_turns(groups) -> np.ndarray:

@@ -7,6 +7,7 @@
     RUN_DIR/
       config.yaml      the fully resolved config
       metrics.jsonl    one JSON object per learner step and per evaluation
+      samples.jsonl    whole samples as trained, with metrics.samples_every (run/samples.py)
       status.json      how the learner ended: {"exit_code": int, "reason": str}
       endpoints.json   the hub's addresses and the pids of the learner and live actors
       trace.json       the timeline, Chrome trace format (run/tracing.py)

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from async_rl.run.directory import RunDir
+from async_rl.run.samples import SAMPLES_FILE, truncate_samples
 
 # Keys every step line carries (the run directory contract, docs/observability.md); tests check them against this list.
 STEP_KEYS = (
@@ -131,6 +132,8 @@ class MetricsLogger:
         self.start = time.time() - elapsed
         if resume_step:
             RunDir(run_dir).truncate_metrics(resume_step)
+            truncate_samples(run_dir, resume_step)
+        self._samples_path = Path(run_dir) / SAMPLES_FILE
         self._file = open(RunDir(run_dir).metrics_path, "a", buffering=1)
         # purge_step hides the stopped run's TensorBoard events after the checkpoint.
         self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
@@ -149,9 +152,13 @@ class MetricsLogger:
         return time.time() - self.start
 
     def log(self, record: dict[str, Any], *, histograms: dict[str, Any] | None = None,
-            texts: dict[str, str] | None = None) -> None:
+            texts: dict[str, str] | None = None, samples: list[dict[str, Any]] | None = None) -> None:
         """`record`: one metrics.jsonl line (its numbers also go to TensorBoard);
-        `histograms` (tag -> values) and `texts` (tag -> markdown): TensorBoard only."""
+        `histograms` (tag -> values) and `texts` (tag -> markdown): TensorBoard only;
+        `samples`: lines of samples.jsonl (run/samples.py)."""
+        if samples:
+            with open(self._samples_path, "a") as out:
+                out.write("".join(json.dumps(sample) + "\n" for sample in samples))
         record = {"time": round(self.elapsed(), 3), **record}
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")

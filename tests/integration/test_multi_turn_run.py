@@ -3,6 +3,7 @@
 process rewards (train.advantage=grpo_process). The episodes take several turns, the
 environment's tokens reach the learner as context (env/policy_token_frac < 1), and the
 evaluation scores episodes too. A bad env.name is one line before anything starts."""
+import json
 import math
 import subprocess
 import sys
@@ -42,9 +43,23 @@ def test_a_run_trains_on_multi_turn_episodes_of_a_users_environment(tmp_path, ch
     train(run, chat_model, "task.name=word_problems", f"env.name={env_file}:make", "env.max_turns=3",
           "env.max_tokens=40", "actors.max_new_tokens=6", "actors.stop=[e]", "train.advantage=grpo_process",
           "train.loss=cispo", "train.correction=icepop",  # corrections read the policy's tokens only
-          "train.max_steps=3", "learner.ranks=1", "eval.size=8", "eval.batch_size=8")
+          "train.max_steps=3", "learner.ranks=1", "eval.size=8", "eval.batch_size=8",
+          "metrics.samples_every=1", "metrics.samples_per_dump=8")
     steps, evals = read_metrics(run)
     assert [s["step"] for s in steps] == [1, 2, 3]
+    # Every step's first 8 samples, whole; a two-turn one shown as its conversation and
+    # checked against the chat template by the documented script.
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1] * 8 + [2] * 8 + [3] * 8
+    for s in samples:
+        assert len(s["response_ids"]) == len(s["policy_mask"]) == len(s["logprobs"]) == len(s["token_versions"])
+    step, index = next((s["step"], i % 8) for i, s in enumerate(samples) if 0 in s["policy_mask"])
+    shown = subprocess.run([sys.executable, str(ROOT / "analysis/show_sample.py"), str(run), "--step", str(step),
+                            "--index", str(index)], capture_output=True, text=True, timeout=60, env=subprocess_env())
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "--- environment (" in shown.stdout and "And then?" in shown.stdout
+    for check in ("prompt   ok", "turns    ok", "tokens   ok"):
+        assert check in shown.stdout, shown.stdout
     assert max(s["env/turns_max"] for s in steps) == 2 and all(s["env/policy_token_frac"] < 1 for s in steps)
     assert max(s["env/multi_turn_frac"] for s in steps) > 0
     assert all(math.isfinite(s["loss/total"]) and s["reward/errors"] == 0 for s in steps)

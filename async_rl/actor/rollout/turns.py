@@ -61,6 +61,14 @@ class TurnFormat:
         closing = self._closing[len(stop_text):] if stop_text and self._closing.startswith(stop_text) else self._closing
         return closing + full[len(self._base):]
 
+    def frame(self, stop_text: str = "") -> tuple[str, str]:
+        """(what begins, what ends) every `text` after a turn that ended with `stop_text`:
+        the rest of the turn's closing, and the next assistant turn's header."""
+        bare = self.text([], stop_text)
+        closing = self._closing[len(stop_text):] if stop_text and self._closing.startswith(stop_text) else \
+            self._closing
+        return closing, bare[len(closing):]
+
     def tokens(self, messages: Sequence[dict[str, str]], stop_token: int | None) -> list[int]:
         """`text` as token ids (the template's special tokens as such, no BOS added)."""
         stop_text = "" if stop_token is None else self.tokenizer.decode([stop_token], skip_special_tokens=False)
