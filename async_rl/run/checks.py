@@ -99,9 +99,9 @@ def check_task(cfg: Config) -> None:
     if cfg.task.chat_template is False and prompt_format.tokenizer.chat_template:
         log.warning("task.chat_template=false, but the tokenizer has a chat template: a chat model usually needs it")
     if spec is None and getattr(cfg.task, "name", None) in ("jsonl", "dataset"):
-        if cfg.env is None:
+        if cfg.env is None or cfg.env.name == "calculator":  # the calculator scores final answers by it
             raise ConfigError(f"task.reward: a {cfg.task.name} task needs a reward, unless an environment "
-                              "(env.name) scores its episodes")
+                              "(env.name, not the calculator) scores its episodes")
         samples = []  # the environment scores: the reward is never called
     for prompt in samples:
         for response in (prompt.answer, ""):

@@ -154,8 +154,10 @@ def test_vllm_actors_on_a_model_vllm_cannot_run_fail_before_launch(tmp_path, dem
 def test_a_row_task_without_reward_or_environment_and_a_missing_column_are_one_line(tmp_path, demo_model, data,
                                                                                   capsys):
     assert prepare(tmp_path, demo_model, "task.name=jsonl", f"task.train_path={data}") == 2
-    assert "task.reward: a jsonl task needs a reward, unless an environment (env.name) scores" in \
+    assert "task.reward: a jsonl task needs a reward, unless an environment (env.name, not the calculator)" in \
         one_line_error(capsys)
+    assert prepare(tmp_path, demo_model, "task.name=jsonl", f"task.train_path={data}", "env.name=calculator") == 2
+    assert "task.reward: a jsonl task needs a reward" in one_line_error(capsys)
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_list([{"q": f"{a}+3=", "a": str(a + 3)} for a in range(20)]).to_parquet(
         str(tmp_path / "rows.parquet"))
