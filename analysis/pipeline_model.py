@@ -15,9 +15,12 @@ The model (one heapq of (time, seq, callback) events):
   `log_seconds` (metrics logging, after the publish) and the evaluation and checkpoint
   pauses the config schedules. Staleness of a group = k - v.
 - Broadcast (weight_transfer/sender.py): a publish starts a broadcast unless one is in flight (the
-  newest version then waits for it). An actor joins at its next request and holds the new
-  weights `broadcast_seconds` later; the broadcast ends when all have them. gloo serves
-  each receiver as it joins; with `broadcast_coupled` (NCCL-like) all wait for the last.
+  newest version then waits for it). An actor joins at its next request. The transports
+  couple the members (`broadcast_coupled`, the default): the gloo chain forwards each
+  bucket through every member in turn and NCCL broadcasts to all, so every member holds
+  the new weights `broadcast_seconds` after the last has joined. Uncoupled, a sender
+  that serves each receiver as it joins, an actor holds them `broadcast_seconds` after
+  its own join. The broadcast ends when all have them.
 - Durations are lognormal around their means (`*_cv`); results average a few seeds.
 
 Measured alike in a run and in the model, over the window from step k0 to the last step
@@ -56,7 +59,7 @@ class Params:
     log_seconds: float = 0.0
     sync_seconds: float = 0.002
     broadcast_seconds: float = 0.002
-    broadcast_coupled: bool = False
+    broadcast_coupled: bool = True
     eval_every: int = 0
     eval_seconds: float = 0.0
     checkpoint_every: int = 0

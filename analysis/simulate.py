@@ -18,9 +18,10 @@ bursts, and a slowed actor drains the buffer for several steps, which means hide
 prediction from means alone ("stationary_*", what the sweep uses) is reported too. With
 RUN/trace.json, also: `overhead` = actor time outside the generate, wait-for-admission and
 sync spans per group (scoring, encoding, pushing, round trips); `log_seconds` = learner
-time from a step's sync to the next wait-for-data; `broadcast_seconds` = the actors' sync
-spans, replayed per version. Without it, overhead and log_seconds are 0 and the transfer
-time is fitted to make the model's sync/broadcast_seconds (joins + transfer) the measured.
+time from a step's sync to the next wait-for-data; `broadcast_seconds` = per version the
+shortest of the actors' sync spans (the last to join: the transfer), replayed. Without
+it, overhead and log_seconds are 0 and the transfer time is fitted to make the model's
+sync/broadcast_seconds (joins + transfer) the measured.
 
 Assumptions and limits:
 - Generation time is linear in a batch's groups (measured at the run's groups_per_request).
@@ -76,7 +77,8 @@ def _outside_generate(spans, name: str) -> list:
 def trace_rates(run, skip: int) -> dict:
     """From trace.json, over the window: actor seconds per group outside generate,
     wait-for-admission and sync spans; learner seconds from a step's sync to the next
-    wait-for-data; the actors' sync spans (mean, cv, per version). {} without a trace."""
+    wait-for-data; the transfer: per version the shortest of the actors' sync spans (its
+    mean, cv and per-version values). {} without a trace."""
     learner = sorted(run.spans("learner"), key=lambda s: s.start_s)
     steps = [s for s in learner if s.name == "train-step"]
     syncs = [s for s in run.spans("actor") if s.name == "sync"]
@@ -93,14 +95,18 @@ def trace_rates(run, skip: int) -> dict:
                 sum(s.dur_s for s in spans if s.name in ("generate", "wait-for-admission")) - \
                 sum(s.dur_s for s in _outside_generate(spans, "sync"))
             groups += sum(s.args.get("groups", 0) for s in spans if s.name == "generate")
+    # The members of a broadcast finish together (coupled, pipeline_model.py): an earlier
+    # joiner's span holds its wait for the last, whose own span is the transfer alone.
     by_version: dict[int, list[float]] = {}
     for s in syncs:
         by_version.setdefault(s.args.get("version"), []).append(s.dur_s)
-    durations = [s.dur_s for s in syncs if lo <= s.start_s <= hi] or [s.dur_s for s in syncs]
+    transfer = {v: min(d) for v, d in by_version.items()}
+    in_window = {s.args.get("version") for s in syncs if lo <= s.start_s <= hi}
+    durations = [transfer[v] for v in in_window] or list(transfer.values())
     return {"overhead_seconds_per_group": max(0.0, other / groups) if groups else 0.0,
             "log_seconds": max(0.0, statistics.mean(gaps)) if gaps else 0.0,
             "broadcast_seconds": statistics.mean(durations), "broadcast_cv": _cv(durations),
-            "sync_replay": {v: statistics.mean(d) for v, d in by_version.items()}}
+            "sync_replay": transfer}
 
 
 def measure_run(run_dir: Path, skip: int | None = None, use_trace: bool = True) -> tuple[Params, dict]:
