@@ -3,7 +3,8 @@
     python analysis/eval_model.py CONFIG MODEL_DIR [overrides ...] [--show N] [--threads 2]
 
 The same path as an actor's evaluation round: the config's task, chat template, stop
-tokens and reward, `eval.size` prompts, `eval.pass_k` samples each, `eval.temperature`
+tokens and reward, the torch engine at the config's dtype and attention (vLLM actors:
+float32 here), `eval.size` prompts, `eval.pass_k` samples each, `eval.temperature`
 (greedy by default) and `eval.max_new_tokens`, in chunks of `eval.batch_size`. Use it
 to compare a base model with a run's `final/`, or to ask how much of a gain is format:
 `eval.max_new_tokens=64` scores both without the training length limit.
@@ -51,7 +52,12 @@ def main(argv=None) -> int:
     stops = dict(eos_token_id=stop_token_ids(args.model, prompt_format.tokenizer))
     if cfg.actors.stop:
         stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
-    engine = make_engine("torch", model_or_path=args.model, device=torch.device("cpu"), **stops)
+    # The config's torch engine settings, as its actors evaluate: a bf16 policy can score
+    # differently in float32 (override actors.engine.dtype=float32 to ask).
+    engine_cfg = cfg.actors.engine
+    options = dict(dtype=getattr(torch, engine_cfg.dtype), attention=engine_cfg.attention) \
+        if engine_cfg.name == "torch" else {}
+    engine = make_engine("torch", model_or_path=args.model, device=torch.device("cpu"), **stops, **options)
     task = task_from_config(cfg.task, cfg.seed)
     e = cfg.eval
     prompts = task.eval_prompts()[:e.size]
