@@ -1,5 +1,5 @@
-"""Command line: `async-rl train`, `async-rl prepare`, `async-rl actor`, `async-rl keys`, `async-rl config-doc`,
-`async-rl convert-gguf`."""
+"""Command line: `async-rl train`, `async-rl sft`, `async-rl prepare`, `async-rl actor`, `async-rl keys`,
+`async-rl config-doc`, `async-rl convert-gguf`."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=10")
     p_train.add_argument("--resume", metavar="RUN_DIR", default=None,
                          help="continue a stopped run from its latest complete checkpoint")
+    p_sft = sub.add_parser("sft", help="supervised warm start on demonstrations (sft.data=FILE): writes a model "
+                                       "`train` starts from (model.path=RUN_DIR/model)")
+    p_sft.add_argument("config", help="YAML config file (see configs/)")
+    p_sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.data=demos.jsonl sft.epochs=3")
     p_prep = sub.add_parser("prepare", help="prepare a run directory as `train` does, without starting anything "
                                              "(launch/learner.sh); prints RUN_DIR, then the checkpoint with --resume")
     p_prep.add_argument("config", help="YAML config file (see configs/)")
@@ -90,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         exit_now(run_actor(hub, args.name, args.keys, args.connect_timeout))  # the actor held gloo groups: see exit_now
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.command == "sft":
+            from async_rl.run.processes import exit_now
+            from async_rl.sft.run import launch
+
+            exit_now(launch(cfg))  # one rank trains in this process, which held a gloo group: see exit_now
         from async_rl.run.launcher import prepare, train
 
         if args.command == "prepare":

@@ -11,6 +11,7 @@ from async_rl.coordinator.config import EvalConfig
 from async_rl.learner.config import CheckpointConfig, LearnerConfig, TrainConfig
 from async_rl.models.config import ModelConfig
 from async_rl.run.config import MetricsConfig
+from async_rl.sft.config import SFTConfig
 from async_rl.tasks.config import ArithmeticConfig, TaskConfig
 from async_rl.weight_transfer.config import SyncConfig
 from async_rl.wire.config import SecurityConfig, TransportConfig
@@ -32,6 +33,8 @@ class Config(Section):
     env: EnvConfig | None = Field(None, description="Multi-turn episodes (null = single-turn).")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig,
+                           description="Supervised warm start on demonstrations (`async-rl sft`).")
     transport: TransportConfig = Field(default_factory=TransportConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
 

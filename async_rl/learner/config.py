@@ -44,7 +44,7 @@ class ConstantSchedule(Section):
 class DecaySchedule(Section):
     name: Literal["cosine", "linear"] = "cosine"
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
-    min_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final learning rate as a fraction of train.lr.")
+    min_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final learning rate as a fraction of the peak (train.lr, sft.lr).")
 
 
 ScheduleConfig = choice(ConstantSchedule, DecaySchedule, default=ConstantSchedule)

@@ -56,17 +56,19 @@ def _check_packing(cfg: Config, policy: torch.nn.Module) -> None:
             cfg.learner.pack = False
 
 
+def load_policy(cfg: Config, device: torch.device) -> torch.nn.Module:
+    """The model at model.path, float32 on `device`, with learner.attention's kernel."""
+    from transformers import AutoModelForCausalLM
+
+    kernel = {"attn_implementation": cfg.learner.attention} if cfg.learner.attention else {}
+    return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, **kernel).to(device)
+
+
 def build_models(cfg: Config, device: torch.device, mesh) -> Models:
     """Policy (+ frozen reference for KL, + critic for GAE), each sharded with FSDP2, with
     their optimizers and the learning-rate schedule."""
-    from transformers import AutoModelForCausalLM
-
-    def load_policy():
-        kernel = {"attn_implementation": cfg.learner.attention} if cfg.learner.attention else {}
-        return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, **kernel).to(device)
-
     lc = cfg.learner
-    policy = load_policy()
+    policy = load_policy(cfg, device)
     _check_packing(cfg, policy)
     lora = cfg.model.lora.rank > 0
     if lora:
@@ -76,7 +78,7 @@ def build_models(cfg: Config, device: torch.device, mesh) -> Models:
     policy = shard_model(policy, mesh, precision=lc.precision, activation_checkpointing=lc.activation_checkpointing)
     reference, critic = None, None
     if cfg.train.kl.coef > 0 and not lora:  # no backward through the reference: nothing to checkpoint
-        reference = shard_model(load_policy().requires_grad_(False).eval(), mesh, precision=lc.precision)
+        reference = shard_model(load_policy(cfg, device).requires_grad_(False).eval(), mesh, precision=lc.precision)
     if cfg.train.advantage.name == "gae":
         from async_rl.models.critic import ValueModel
 

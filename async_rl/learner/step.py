@@ -242,7 +242,7 @@ def _backward_micro(cfg: Config, models: Models, x: Prepared, layout: packing.Pa
     return {key: 0.0 for key in losses} if padding else losses
 
 
-def _grad_norm(model, grad_clip: float) -> torch.Tensor:
+def clipped_grad_norm(model, grad_clip: float) -> torch.Tensor:
     """Clip to `grad_clip` and return the global (all-rank) norm before clipping."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
@@ -261,9 +261,9 @@ def _optimizer_step(models: Models, grad_clip: float, losses: dict[str, float], 
     one bad batch (an overflowing reward, a corrupt sample) must not poison the weights.
     `losses`: this minibatch's loss terms on this rank."""
     world = dist.get_world_size()
-    norms = {"learner/grad_norm": _grad_norm(models.policy, grad_clip)}
+    norms = {"learner/grad_norm": clipped_grad_norm(models.policy, grad_clip)}
     if models.critic is not None:
-        norms["critic/grad_norm"] = _grad_norm(models.critic, grad_clip)
+        norms["critic/grad_norm"] = clipped_grad_norm(models.critic, grad_clip)
     ok = _finite_everywhere(*norms.values(), *losses.values())
     for optimizer in (models.optimizer, models.critic_optimizer):
         if optimizer is None:
