@@ -91,13 +91,18 @@ def launch(cfg: Config) -> int:
     run_dir, lock = prepare(cfg)
     try:
         print(f"async-rl: run directory {run_dir}", file=sys.stderr, flush=True)
-        if cfg.learner.ranks == 1:
-            status = rank_main(cfg)
-        else:
-            env = dict(os.environ, OMP_NUM_THREADS=str(cfg.learner.threads), PYTHONUNBUFFERED="1")
-            status = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                      f"--nproc-per-node={cfg.learner.ranks}", "-m", "async_rl.sft",
-                                      str(run_dir / "config.yaml")], env=env)
+        try:
+            if cfg.learner.ranks == 1:
+                status = rank_main(cfg)
+            else:
+                env = dict(os.environ, OMP_NUM_THREADS=str(cfg.learner.threads), PYTHONUNBUFFERED="1")
+                status = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                          f"--nproc-per-node={cfg.learner.ranks}", "-m", "async_rl.sft",
+                                          str(run_dir / "config.yaml")], env=env)
+        except KeyboardInterrupt:  # minutes of work, no checkpoint: stop at once, say so
+            print(f"async-rl: sft interrupted; no model written (the run's metrics are in {run_dir})",
+                  file=sys.stderr, flush=True)
+            return 130
         if status == 0:
             out = output_dir(cfg)
             print(f"async-rl: supervised model in {out}; start RL from it with "

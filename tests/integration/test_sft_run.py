@@ -5,11 +5,12 @@ merged model; bad demonstrations are one line, exit 2."""
 import json
 import random
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, read_metrics, subprocess_env, train
+from conftest import ROOT, read_metrics, subprocess_env, train, wait_for
 
 FORMAT = re.compile(r"The answer is \d+\.<\|im_end\|>")
 
@@ -115,3 +116,20 @@ def test_bad_demonstrations_are_one_line_and_exit_2(chat_model, tmp_path, data, 
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and re.search(says, lines[0]), lines
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_ctrl_c_stops_at_once_in_one_line_and_writes_no_model(chat_model, tmp_path):
+    demos = write_demos(tmp_path / "demos.jsonl", 300)
+    cmd = [sys.executable, "-m", "async_rl.cli", "sft", str(ROOT / "configs/demo.yaml"), f"run_dir={tmp_path / 'run'}",
+           f"model.path={chat_model}", "learner.threads=1", f"sft.data={demos}", "sft.epochs=200"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert wait_for(lambda: sft_losses(tmp_path / "run") if (tmp_path / "run" / "metrics.jsonl").exists()
+                        else False, timeout=60)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("async-rl: sft interrupted; no model written"), err[-2000:]
+    assert not (tmp_path / "run" / "model").exists()
