@@ -44,11 +44,12 @@ KNOWN = set(items(120, seed=0))
 
 
 class Shop:
-    """One customer: the first turn that calls the tool gets a price, the first that
-    does not is the answer, scored by its last number."""
+    """One customer, from the columns of the prompt's row (`item`, `quantity`): a turn
+    that calls the tool gets a price, the first that does not is the answer, scored by
+    its last number against quantity x price."""
 
     def __init__(self, prompt):
-        self.total = int(prompt.answer)
+        self.total = int(prompt.fields["quantity"]) * price(prompt.fields["item"])
 
     def step(self, action: str) -> Turn:
         call = CALL.search(action)

@@ -20,12 +20,13 @@ spec.loader.exec_module(shop)
 
 def test_the_shop_answers_a_call_with_the_price_and_scores_the_total():
     item = sorted(shop.KNOWN)[0]
-    env = shop.make(Prompt(id=0, text="", answer=str(3 * shop.price(item))))
+    env = shop.make(Prompt(id=0, text="", answer="", fields={"item": item, "quantity": 3}))  # the row's columns
     turn = env.step(f"<price>{item}s</price>")  # named as the question names it
     assert turn.messages == [{"role": "user", "content": f"<result>{shop.price(item)}</result>"}] and not turn.done
     assert env.step("<price>nothing</price>").messages[0]["content"] == "<result>unknown item</result>"
     assert env.step(f"Total: {3 * shop.price(item)}").reward == 1.0
-    assert shop.make(Prompt(id=0, text="", answer="7")).step("Total: 8").reward == 0.0
+    other = shop.make(Prompt(id=0, text="", answer="", fields={"item": item, "quantity": 2}))
+    assert other.step(f"Total: {3 * shop.price(item)}").reward == 0.0
 
 
 def test_the_data_holds_out_items_and_demonstrates_the_call(tmp_path):
