@@ -83,17 +83,7 @@ def _fail(cfg: Config, rank: int, err: Exception) -> int:
 
 def _train(cfg: Config, resume: Path | None) -> int:
     quiet_libraries(Path(cfg.run_dir) / "logs" / f"learner-rank{os.environ.get('RANK', 0)}.warnings")
-    if resolve_device(cfg.model.device).type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    device = resolve_device(cfg.model.device)  # this rank's GPU, now that it is the current one
-    torch.set_num_threads(cfg.learner.threads)
-    timeout = datetime.timedelta(seconds=cfg.learner.timeout_s)
-    if "MASTER_ADDR" in os.environ:  # under torchrun
-        dist.init_process_group(backend=collective_backend(device), timeout=timeout)
-    else:  # one rank, started by `async-rl train` itself: a world of one, no rendezvous
-        dist.init_process_group(backend=collective_backend(device), timeout=timeout, store=dist.HashStore(),
-                                rank=0, world_size=1)
-    trainer = Trainer(cfg, device)
+    trainer = Trainer(cfg, join_world(cfg))
     resumed = trainer.resume(resume) if resume else None
     services = Rank0Services(cfg, trainer, resumed, resume) if trainer.rank == 0 else Followers()
     stop_event = threading.Event()
@@ -109,6 +99,22 @@ def _train(cfg: Config, resume: Path | None) -> int:
         write_status(Path(cfg.run_dir), *stop)
     shutdown_world()
     return 0  # every rank: torchrun turns a worker's nonzero exit into its own error report
+
+
+def join_world(cfg: Config) -> torch.device:
+    """This rank's device (its GPU made the current one), its threads, and the process
+    group: torchrun's world, or without torchrun a world of one (no rendezvous)."""
+    if resolve_device(cfg.model.device).type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = resolve_device(cfg.model.device)  # this rank's GPU, now that it is the current one
+    torch.set_num_threads(cfg.learner.threads)
+    timeout = datetime.timedelta(seconds=cfg.learner.timeout_s)
+    if "MASTER_ADDR" in os.environ:  # under torchrun
+        dist.init_process_group(backend=collective_backend(device), timeout=timeout)
+    else:
+        dist.init_process_group(backend=collective_backend(device), timeout=timeout, store=dist.HashStore(),
+                                rank=0, world_size=1)
+    return device
 
 
 def shutdown_world() -> None:

@@ -9,7 +9,6 @@ default RUN/model), which `async-rl train CONFIG model.path=...` starts from.
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import os
@@ -122,26 +121,16 @@ def main(argv: list[str] | None = None) -> int:
 def rank_main(cfg: Config) -> int:
     """Join the world (of one without torchrun), train, write the model. A failure is
     one line on the console and its traceback in RUN/logs/sft-rankN.err; exit 1."""
-    import torch
     import torch.distributed as dist
 
-    from async_rl.device import collective_backend, resolve_device
+    from async_rl.learner.process import join_world
     from async_rl.models.loading import quiet_libraries
 
     rank = int(os.environ.get("RANK", 0))
     logs = Path(cfg.run_dir) / "logs"
     quiet_libraries(logs / f"sft-rank{rank}.warnings")
     try:
-        if resolve_device(cfg.model.device).type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        device = resolve_device(cfg.model.device)
-        torch.set_num_threads(cfg.learner.threads)
-        timeout = datetime.timedelta(seconds=cfg.learner.timeout_s)
-        if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend=collective_backend(device), timeout=timeout)
-        else:
-            dist.init_process_group(backend=collective_backend(device), timeout=timeout, store=dist.HashStore(),
-                                    rank=0, world_size=1)
+        device = join_world(cfg)
         try:
             train(cfg, device)
             dist.barrier()
