@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -88,16 +89,13 @@ def prepare(cfg: Config) -> tuple[Path, RunLock]:
 def launch(cfg: Config) -> int:
     """The command: prepare, train (here, or under torchrun), say where the model is."""
     run_dir, lock = prepare(cfg)
+    # Set here, not inherited: a shell starts background jobs with SIGINT ignored, and
+    # Python then never turns Ctrl-C (or a kill) into KeyboardInterrupt.
+    handlers = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
     try:
         print(f"async-rl: run directory {run_dir}", file=sys.stderr, flush=True)
         try:
-            if cfg.learner.ranks == 1:
-                status = rank_main(cfg)
-            else:
-                env = dict(os.environ, OMP_NUM_THREADS=str(cfg.learner.threads), PYTHONUNBUFFERED="1")
-                status = subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                          f"--nproc-per-node={cfg.learner.ranks}", "-m", "async_rl.sft",
-                                          str(run_dir / "config.yaml")], env=env)
+            status = rank_main(cfg) if cfg.learner.ranks == 1 else _torchrun(cfg, run_dir)
         except KeyboardInterrupt:  # minutes of work, no checkpoint: stop at once, say so
             print(f"async-rl: sft interrupted; no model written (the run's metrics are in {run_dir})",
                   file=sys.stderr, flush=True)
@@ -108,7 +106,33 @@ def launch(cfg: Config) -> int:
                   f"`async-rl train CONFIG model.path={out}`", file=sys.stderr, flush=True)
         return status
     finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
         lock.release()
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _interrupt(signum, _frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _torchrun(cfg: Config, run_dir: Path) -> int:
+    """learner.ranks ranks under torchrun; interrupted, they are stopped with it."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.learner.threads), PYTHONUNBUFFERED="1")
+    world = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc-per-node={cfg.learner.ranks}", "-m", "async_rl.sft",
+                              str(run_dir / "config.yaml")], env=env)
+    try:
+        return world.wait()
+    except KeyboardInterrupt:
+        world.terminate()  # torchrun passes it on to the ranks
+        try:
+            world.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            world.kill()
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
