@@ -1,5 +1,5 @@
-"""Command line: `async-rl train`, `async-rl sft`, `async-rl prepare`, `async-rl actor`, `async-rl keys`,
-`async-rl config-doc`, `async-rl convert-gguf`."""
+"""Command line: `async-rl train`, `async-rl sft`, `async-rl eval`, `async-rl prepare`, `async-rl actor`,
+`async-rl keys`, `async-rl config-doc`, `async-rl convert-gguf`."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +22,13 @@ def main(argv: list[str] | None = None) -> int:
                                        "`train` starts from (model.path=RUN_DIR/model)")
     p_sft.add_argument("config", help="YAML config file (see configs/)")
     p_sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.data=demos.jsonl sft.epochs=3")
+    p_eval = sub.add_parser("eval", help="score a model directory (a run's final/, a base model) on the config's "
+                                         "held-out prompts, as the run's actors evaluate: one JSON line")
+    p_eval.add_argument("config", help="YAML config file (see configs/)")
+    p_eval.add_argument("model", help="an HF model directory")
+    p_eval.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actors.engine.dtype=float32")
+    p_eval.add_argument("--show", type=int, default=0, metavar="N", help="also print the first N prompts and responses")
+    p_eval.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p_prep = sub.add_parser("prepare", help="prepare a run directory as `train` does, without starting anything "
                                              "(launch/learner.sh); prints RUN_DIR, then the checkpoint with --resume")
     p_prep.add_argument("config", help="YAML config file (see configs/)")
@@ -93,6 +100,15 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         exit_now(run_actor(hub, args.name, args.keys, args.connect_timeout))  # the actor held gloo groups: see exit_now
     try:
+        if args.command == "eval":
+            import json
+
+            from async_rl.evaluation.saved_model import score_saved_model
+
+            scored = score_saved_model(load_config(args.config, [*args.overrides, f"model.path={args.model}"]),
+                                       args.model, threads=args.threads, show=args.show)
+            print(json.dumps(scored.line), *scored.shown, sep="\n", flush=True)
+            return 0
         cfg = load_config(args.config, args.overrides)
         if args.command == "sft":
             from async_rl.run.processes import exit_now

@@ -2,6 +2,8 @@
 actors score, one policy version per round."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from async_rl.config.section import Section
@@ -15,6 +17,7 @@ class EvalConfig(Section):
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
     pass_k: int = Field(1, ge=1, description="Samples per prompt; > 1 also logs eval/pass@k.")
     threads: int | None = Field(None, ge=1, description="An actor's torch threads while it evaluates (null = actors.threads).")
+    final_dtypes: list[Literal["float32", "bfloat16", "float16"]] = Field(default_factory=list, description="Score final/ again when the run ends, with the torch engine in each of these dtypes (e.g. [float32]): one line, also in final/README.md.")
 
     @model_validator(mode="after")
     def _k_samples_differ(self) -> EvalConfig:

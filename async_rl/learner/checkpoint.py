@@ -225,20 +225,23 @@ def read_groups(path: Path) -> list[tuple[int, int, object]]:
     return groups
 
 
-def save_hf_model(params, source: str | Path, tokenizer, out_dir: Path) -> None:
+def save_hf_model(params, source: str | Path, tokenizer, out_dir: Path, dtype: torch.dtype | None = None) -> None:
     """Write an HF model directory, atomically: the (name, full tensor) stream `params`
-    as model.safetensors, with the config and generation config of the model directory
-    `source` (the architecture the parameters belong to) and `tokenizer`. Tied weights
-    appear once in `params` and are re-tied on load, as `save_pretrained` does."""
+    (cast to `dtype` when given, and config.json saying so) as model.safetensors, with
+    the config and generation config of the model directory `source` (the architecture
+    the parameters belong to) and `tokenizer`. Tied weights appear once in `params` and
+    are re-tied on load, as `save_pretrained` does."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, GenerationConfig
 
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({name: t.detach().cpu().contiguous() for name, t in params}, tmp / "model.safetensors",
-              metadata={"format": "pt"})
-    AutoConfig.from_pretrained(str(source)).save_pretrained(tmp)
+    tensors = {name: t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous() for name, t in params}
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = AutoConfig.from_pretrained(str(source))
+    config.dtype = dtype or next(iter(tensors.values())).dtype
+    config.save_pretrained(tmp)
     if (Path(source) / "generation_config.json").exists():
         GenerationConfig.from_pretrained(str(source)).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

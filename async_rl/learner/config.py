@@ -32,6 +32,7 @@ class LearnerConfig(Section):
     skip_zero_advantage: bool = Field(True, description="Leave groups whose every advantage is 0 out of forward and backward (same update).")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="FSDP2 mixed precision: bf16 compute with fp32 master weights, or fp32.")
     attention: Literal["sdpa", "eager"] | None = Field(None, description="The policy's attention kernel (null = the model's default).")
+    dither_masters: bool = Field(False, description="Master weights loaded exactly on the 16-bit grid the policy runs in are spread inside their rounding intervals, so its 16-bit copies follow small updates.")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in backward.")
     timeout_s: float = Field(600.0, gt=0.0, description="Timeout of learner collectives and of waiting for experience.")
 
@@ -63,6 +64,7 @@ class TrainConfig(Section):
     lr: float = Field(5e-4, gt=0.0, description="AdamW peak learning rate.")
     lr_schedule: ScheduleConfig = Field(default_factory=ConstantSchedule, description="Learning-rate schedule: `constant`, `cosine` or `linear` decay.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    adam_eps: float = Field(1e-8, gt=0.0, description="AdamW's epsilon: a gradient much smaller than it moves its weight by less than the learning rate.")
     grad_clip: float = Field(1.0, gt=0.0, description="Gradient-norm clip.")
     max_skipped_steps: int = Field(5, ge=1, description="This many non-finite steps in a row stop the run (exit 3).")
     kl: KLConfig = Field(default_factory=KLConfig)
@@ -88,3 +90,4 @@ class TrainConfig(Section):
 class CheckpointConfig(Section):
     every: int = Field(0, ge=0, description="Resumable checkpoint every this many steps (0 = only at the end).")
     keep: int = Field(2, ge=1, description="Complete checkpoints kept in RUN_DIR/checkpoints.")
+    final_master: bool = Field(False, description="Also write the learner's float32 master weights to RUN_DIR/final-master (final/ holds the weights as the actors ran them).")

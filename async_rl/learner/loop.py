@@ -85,7 +85,7 @@ class Loop:
             self.final_eval()
         self.checkpoint()
         with self.spans.span("export", step=trainer.version):
-            trainer.gather(services.export())
+            trainer.gather(services.export(trainer.version))
         services.close()
         return stop or Stop(0, "finished")
 

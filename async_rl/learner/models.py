@@ -11,6 +11,7 @@ import torch
 from async_rl.config import Config
 from async_rl.learner.optimizer import build_optimizers
 from async_rl.learner.packing import attention_kind, packing_error, shares_prompt
+from async_rl.learner.precision import dither_masters
 from async_rl.learner.sharding import shard_model
 
 log = logging.getLogger("async_rl.learner")
@@ -69,6 +70,7 @@ def build_models(cfg: Config, device: torch.device, mesh) -> Models:
     their optimizers and the learning-rate schedule."""
     lc = cfg.learner
     policy = load_policy(cfg, device)
+    dither_masters(policy, cfg)
     _check_packing(cfg, policy)
     lora = cfg.model.lora.rank > 0
     if lora:

@@ -12,10 +12,10 @@ import math
 import torch
 
 
-def adamw(params, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def adamw(params, *, lr: float, weight_decay: float, eps: float = 1e-8) -> torch.optim.AdamW:
     """AdamW with torch's fused kernel (one pass over each parameter's state instead of
     the foreach implementation's several), on CPU and CUDA alike; the same update rule."""
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps, fused=True)
 
 
 def lr_factor(schedule, max_steps: int, step: int) -> float:
@@ -35,9 +35,9 @@ def build_optimizers(train, policy: torch.nn.Module, critic: torch.nn.Module | N
     """(policy optimizer, its learning-rate scheduler, critic optimizer or None) for the
     `train` section."""
     trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters alone
-    optimizer = adamw(trained, lr=train.lr, weight_decay=train.weight_decay)
+    optimizer = adamw(trained, lr=train.lr, weight_decay=train.weight_decay, eps=train.adam_eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(train.lr_schedule, train.max_steps, step))
     critic_optimizer = None if critic is None else adamw(critic.parameters(), lr=train.advantage.critic_lr,
-                                                          weight_decay=train.weight_decay)
+                                                          weight_decay=train.weight_decay, eps=train.adam_eps)
     return optimizer, scheduler, critic_optimizer

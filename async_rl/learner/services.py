@@ -19,10 +19,12 @@ from async_rl.coordinator.replay_buffer import Taken
 from async_rl.device import collective_backend
 from async_rl.learner.checkpoint import BUFFER_FILE, read_groups, save_hf_model, write_groups
 from async_rl.learner.health import RunHealth
+from async_rl.learner.precision import actors_dtype
 from async_rl.learner.step_data import StepData, measure_step
 from async_rl.learner.trainer import Trainer, drain
 from async_rl.lora.adapters import save_lora_final
 from async_rl.run.metrics import MetricsLogger
+from async_rl.run.model_card import CARD_FILE, MASTER_DIR, card_text
 from async_rl.run.tracing import SpanRecorder, TraceWriter
 from async_rl.tasks import task_from_config
 from async_rl.tasks.prompt_format import prompt_format_for, prompt_limit
@@ -39,8 +41,8 @@ def sent_specs(cfg: Config, specs: list) -> list:
         from async_rl.weight_transfer.vllm.transport import wire_dtype
 
         return [(name, shape, wire_dtype(engine.dtype)) for name, shape, _ in specs]
-    if engine.name == "torch" and engine.dtype != "float32":  # torch actors hold their dtype
-        return [(name, shape, getattr(torch, engine.dtype)) for name, shape, _ in specs]
+    if engine.name == "torch" and actors_dtype(cfg) != torch.float32:  # torch actors hold their dtype
+        return [(name, shape, actors_dtype(cfg)) for name, shape, _ in specs]
     return specs
 
 
@@ -71,6 +73,7 @@ class Rank0Services:
                                        prompt_length=lambda prompt: len(lengths.encode(prompt)),
                                        prompt_limit=self.prompt_limit)
         self.samples_total = 0
+        self.last_eval: dict | None = None  # the newest evaluation line, for final/'s card
         if resumed is not None:
             log.info("resumed from %s at version %d", checkpoint, trainer.version)
             self.coordinator.restore(trainer.version, resumed["coordinator"], read_groups(checkpoint / BUFFER_FILE))
@@ -129,6 +132,8 @@ class Rank0Services:
         lines, pending = self.coordinator.eval_results()
         for line in lines:
             self.metrics.log(line)
+            if self.last_eval is None or line["step"] >= self.last_eval["step"]:
+                self.last_eval = line
         return pending
 
     # -- checkpoints and the end --------------------------------------------------
@@ -149,13 +154,29 @@ class Rank0Services:
         # ahead of the checkpoint it resumes from.
         self.trace.write()
 
-    def export(self):
-        """What the gather of the final weights streams into: final/ (with LoRA the
-        adapter, loadable with peft on the base; else a Hugging Face model directory)."""
-        out, tokenizer, path = self.run_dir / "final", self.prompt_format.tokenizer, self.cfg.model.path
-        if self.cfg.model.lora.rank:
-            return lambda params: save_lora_final(params, self.cfg.model.lora, path, tokenizer, out)
-        return lambda params: save_hf_model(params, path, tokenizer, out)
+    def export(self, version: int):
+        """What the gather of the final weights streams into: final/, in the dtype the
+        actors held them (a Hugging Face model directory; with LoRA the adapter, loadable
+        with peft on the base), its card, and with checkpoint.final_master the float32
+        master weights in final-master/."""
+        cfg, tokenizer, path = self.cfg, self.prompt_format.tokenizer, self.cfg.model.path
+        dtype, master = actors_dtype(cfg), cfg.checkpoint.final_master
+        card = card_text(dtype=str(dtype).removeprefix("torch."), step=version, last_eval=self.last_eval,
+                         engine=cfg.actors.engine.name, master=master)
+
+        targets = [(self.run_dir / "final", dtype)] + ([(self.run_dir / MASTER_DIR, None)] if master else [])
+
+        def write(params) -> None:
+            masters = [(name, t.detach().cpu()) for name, t in params]
+            for out, as_dtype in targets:
+                if cfg.model.lora.rank:
+                    cast = [(name, t.to(as_dtype or t.dtype)) for name, t in masters]
+                    save_lora_final(cast, cfg.model.lora, path, tokenizer, out)
+                else:
+                    save_hf_model(masters, path, tokenizer, out, dtype=as_dtype)
+            (self.run_dir / "final" / CARD_FILE).write_text(card)
+
+        return write
 
     def close(self) -> None:
         self.log_evals()
@@ -186,7 +207,7 @@ class Followers:
     def publish(self, version: int):
         return drain
 
-    def export(self):
+    def export(self, version: int):
         return drain
 
     def request_eval(self, version: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("async_rl.learner")
@@ -48,7 +48,12 @@ def shard_model(model: torch.nn.Module, mesh, *, precision: str = "fp32",
 
 def full_parameters(model: torch.nn.Module, keep=None):
     """Yield (name, full tensor) one parameter at a time (those whose name `keep` accepts,
-    when given); a collective on every rank."""
+    when given); a collective on every rank. Always the master weights: after a forward
+    without a backward (an evaluation) on one rank, FSDP2 leaves the compute copies
+    registered (bf16 under learner.precision=bf16), so the model is resharded first."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     for name, param in model.named_parameters():
         if keep is not None and not keep(name):
             continue

@@ -334,7 +334,11 @@ def _train(cfg: Config, resume: str | None) -> int:
         _stop([learner, *actors], signal.SIGKILL)
         _wait_all([learner, *actors], 5.0)
         lock.release()
-    status = RunDir(run_dir).status()
+    run = RunDir(run_dir)
+    status = run.status()
+    if not stopped_by and learner.returncode == 0 and status and not status["exit_code"] and cfg.eval.final_dtypes \
+            and run.final_model():
+        _score_final(cfg, run, stopping=lambda: bool(stop_signal))
     if stopped_by:  # the learner ended cleanly on our SIGTERM; the run's status is the signal's
         reason = status["reason"] if status else "stopped before the learner had started"
         with contextlib.suppress(OSError):  # a full disk must not change what the launcher exits with
@@ -378,6 +382,18 @@ def killed_or_failed(learner: subprocess.Popen) -> str:
     if learner.returncode < 0:
         return f"learner rank 0 (pid {learner.pid}) was killed by {signal.Signals(-learner.returncode).name}"
     return f"exit status {learner.returncode}"
+
+
+def _score_final(cfg: Config, run: RunDir, stopping) -> None:
+    """eval.final_dtypes: final/ scored again, in a process per dtype; one line either way."""
+    from async_rl.run.model_card import score_final
+
+    step = run.last_step()
+    _say(f"scoring final/ in {', '.join(cfg.eval.final_dtypes)} (eval.final_dtypes)")
+    scores = score_final(run.path, step, cfg.eval.final_dtypes, cfg.eval.threads or cfg.actors.threads,
+                         cfg.learner.timeout_s, stopping)
+    if isinstance(scores, str):
+        _say(scores)
 
 
 def print_summary(run_dir: Path) -> None:

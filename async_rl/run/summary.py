@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from async_rl.run.directory import RunDir, staleness_counts
+from async_rl.run.model_card import FINAL_SCORE, MASTER_DIR, final_dtype
 
 
 def _mean(values: list[float]) -> float:
@@ -62,6 +63,14 @@ def summary_lines(run_dir: Path) -> list[str]:
                              f"{evals[-1]['eval/accuracy']:.3f} (step {evals[-1]['step']})"))
     final = run.final_model()
     model = f"model {final}" if final else "no final model (the learner did not get to write it)"
+    if final and final_dtype(final):
+        model += f" ({final_dtype(final)}, as the actors ran it" + \
+            (f"; float32 master weights in {MASTER_DIR}/)" if (run.path / MASTER_DIR).exists() else ")")
     rows.append(("outputs", f"{model}; tensorboard --logdir {run.tensorboard_dir}"))
+    scores = {key.removeprefix(FINAL_SCORE): value for record in run.metrics() for key, value in record.items()
+              if key.startswith(FINAL_SCORE)}
+    if final and scores:
+        rows.insert(-1, ("final", "accuracy " + ", ".join(f"{accuracy:.3f} in {dtype}" for dtype, accuracy
+                                                          in scores.items()) + " (final/ scored as the run ended)"))
     width = max(len(name) for name, _ in rows)
     return [f"async-rl: {name:<{width}}  {text}" for name, text in rows]

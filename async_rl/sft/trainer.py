@@ -27,6 +27,7 @@ from async_rl.config import Config
 from async_rl.learner.checkpoint import save_hf_model
 from async_rl.learner.models import load_policy
 from async_rl.learner.optimizer import adamw, lr_factor
+from async_rl.learner.precision import dither_masters
 from async_rl.learner.sharding import full_parameters, shard_model
 from async_rl.learner.step import clipped_grad_norm
 from async_rl.learner.trainer import drain
@@ -77,6 +78,7 @@ class SFTTrainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(cfg.seed)
         policy = load_policy(cfg, device)
+        dither_masters(policy, cfg)
         if cfg.model.lora.rank:
             from async_rl.lora.adapters import with_adapters
 
@@ -85,7 +87,7 @@ class SFTTrainer:
         self.model = shard_model(policy, init_device_mesh(device.type, (self.world,)), precision=lc.precision,
                                  activation_checkpointing=lc.activation_checkpointing)
         self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad], lr=cfg.sft.lr,
-                               weight_decay=cfg.train.weight_decay)
+                               weight_decay=cfg.train.weight_decay, eps=cfg.train.adam_eps)
         self.steps_done = 0
 
     def schedule(self, total_steps: int) -> None:

@@ -54,7 +54,7 @@ def test_yaml_round_trip(config):
     ("model.lora.rank=-1", "model.lora.rank:"),
     ("model.lora.rank=8 actors.engine=vllm sync.in_flight=true", "sync.in_flight: vLLM actors switch LoRA"),
     ("actors.engine=vllm actors.engine.dtype=int8", "actors.engine.dtype:"),
-    ("actors.engine.dtype=float16", "actors.engine.dtype:"),
+    ("actors.engine.dtype=float8", "actors.engine.dtype:"),
     ("actors.engine.kv_cache_gb=2", "actors.engine.kv_cache_gb: unknown key for actors.engine.name=torch"),
     ("learner.attention=flash", "learner.attention:"),
     ("eval.pass_k=4", "eval.pass_k: greedy decoding"),

@@ -1,0 +1,67 @@
+"""Score a model directory on a run config's held-out prompts, outside any run:
+`async-rl eval CONFIG MODEL [overrides]`.
+
+The same path as an actor's evaluation round: the config's task, chat template, stop
+tokens and reward, the torch engine at the config's dtype and attention (vLLM actors:
+float32 here), `eval.size` prompts, `eval.pass_k` samples each, `eval.temperature`
+(greedy by default) and `eval.max_new_tokens`, in chunks of `eval.batch_size`. So a
+run's final/ scores here what its last evaluation said, and
+`actors.engine.dtype=float32` asks what it scores in another precision.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from async_rl.config import Config
+
+
+@dataclass
+class Scored:
+    line: dict  # the run's eval/* keys, plus model, dtype, max_new_tokens, seconds, failures
+    shown: list[str]  # the first prompts as the model saw them, each with its first response
+
+
+def score_saved_model(cfg: Config, model: str, threads: int = 2, show: int = 0) -> Scored:
+    """`model` (an HF directory) on `cfg`'s held-out prompts, as its actors evaluate."""
+    from async_rl.actor.engines import make_engine
+    from async_rl.actor.rollout.rollout import Rollout, Scores
+    from async_rl.coordinator.eval_rounds import summarize
+    from async_rl.models.loading import quiet_libraries
+    from async_rl.tasks import task_from_config
+    from async_rl.tasks.prompt_format import prompt_format_for, stop_token_ids
+    from async_rl.wire.messages import FAILURE_REASONS
+
+    quiet_libraries()
+    torch.set_num_threads(threads)
+    prompt_format = prompt_format_for(cfg.model.path, cfg.task)
+    stops = dict(eos_token_id=stop_token_ids(model, prompt_format.tokenizer))
+    if cfg.actors.stop:
+        stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
+    engine_cfg = cfg.actors.engine
+    dtype = engine_cfg.dtype if engine_cfg.name == "torch" else "float32"
+    options = dict(dtype=getattr(torch, dtype), attention=engine_cfg.attention) if engine_cfg.name == "torch" else {}
+    engine = make_engine("torch", model_or_path=model, device=torch.device("cpu"), **stops, **options)
+    task = task_from_config(cfg.task, cfg.seed)
+    e = cfg.eval
+    prompts = task.eval_prompts()[:e.size]
+    # An actor's evaluation, chunk by chunk: episodes, the guarded reward, the same limits.
+    rollout = Rollout.from_config(cfg, engine, prompt_format, task, torch.Generator().manual_seed(cfg.seed))
+    started = time.perf_counter()
+    groups = [g for i in range(0, len(prompts), e.batch_size)
+              for g in rollout.evaluation([p.id for p in prompts[i:i + e.batch_size]])]
+    seconds = time.perf_counter() - started
+    scores = Scores.of(groups)
+    line = {"model": str(model), "dtype": dtype, "max_new_tokens": e.max_new_tokens or cfg.actors.max_new_tokens,
+            **summarize(scores.rewards, scores.lengths, scores.truncated), "seconds": round(seconds, 1)}
+    for field, prefix in (("reward_errors", "reward"), ("env_errors", "env")):
+        if sum(scores.failures[field]):
+            line.update({f"{prefix}/errors_{reason}": n for reason, n in zip(FAILURE_REASONS, scores.failures[field])})
+    if scores.failures["first_failure"]:
+        line["first_failure"] = scores.failures["first_failure"]
+    shown = [f"--- held-out prompt {i} (answer {prompt.answer}, reward {scores.rewards[i, 0]:g})\n"
+             f"{prompt_format.render(prompt)}{prompt_format.response_text(groups[i][0].tokens)}"
+             for i, prompt in enumerate(prompts[:show])]
+    return Scored(line, shown)
