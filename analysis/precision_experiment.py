@@ -1,7 +1,7 @@
 """What a run's final/ scores in each precision, and why: arms x seeds of short real runs.
 
     python analysis/precision_experiment.py CONFIG --start MODEL [--arms base ...]
-        [--seeds 0] [--steps 7] [--out runs/precision] [--set key=value ...]
+        [--arm NAME:KEY=VALUE,...] [--seeds 0] [--steps 7] [--out runs/precision] [--set key=value ...]
         [--dtypes bfloat16 float32] [--report-only]
 
 Each arm is `async-rl train CONFIG model.path=START train.max_steps=STEPS` with its
@@ -124,8 +124,9 @@ def score(config: Path, model: Path, dtype: str, overrides: list[str]) -> float:
 def in_run(run_dir: Path) -> dict[str, float]:
     steps, evals = RunDir(run_dir).steps_and_evals()
     last = steps[-1] if steps else {}
+    evals = sorted(evals, key=lambda e: e["step"])
     return {"last_eval": evals[-1]["eval/accuracy"] if evals else float("nan"),
-            "first_eval": evals[0]["eval/accuracy"] if evals else float("nan"),
+            "evals": {e["step"]: e["eval/accuracy"] for e in evals},
             "mismatch_kl_max": max((s.get("is/mismatch_kl", 0.0) for s in steps), default=float("nan")),
             "entropy_last": last.get("policy/entropy", float("nan")),
             "reward_last": last.get("train/reward_mean", float("nan"))}
@@ -141,7 +142,7 @@ def run_arm(args, arm: str, seed: int) -> dict:
     start = start_model(args.start.resolve(), kind, args.out.resolve())
     name = f"{arm}-{args.steps}steps-seed{seed}"
     run_dir = (args.out / name).resolve()
-    settings = [*overrides, *args.set]
+    settings = [*args.set, *overrides]  # an arm's own overrides win
     if not finished(run_dir):
         if run_dir.exists():
             shutil.rmtree(run_dir)  # the launcher refuses a run_dir that holds a run
@@ -160,31 +161,55 @@ def run_arm(args, arm: str, seed: int) -> dict:
         row[f"final_{dtype}"] = score(args.config, final, dtype, settings)
         row[f"master_{dtype}"] = score(args.config, master, dtype, settings)
     # final/ in bf16 is the master rounded already: its float32 score is the rounded one.
-    row["master_rounded_float32"] = row["final_float32"] if final_dtype(final) == "bfloat16" else \
-        score(args.config, rounded_copy(master), "float32", settings)
+    if "float32" in args.dtypes:
+        row["master_rounded_float32"] = row["final_float32"] if final_dtype(final) == "bfloat16" else \
+            score(args.config, rounded_copy(master), "float32", settings)
     with open(args.out / "results.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row), flush=True)
     return row
 
 
+def mean_cell(runs: list[dict], key: str) -> str:
+    values = [r[key] for r in runs if key in r]
+    if not values:
+        return ""
+    mean = sum(values) / len(values)
+    return f"{mean:.3f}" if len(values) == 1 else f"{mean:.3f} ({min(values):.2f}–{max(values):.2f})"
+
+
 def report(out: Path, header: str) -> str:
+    """OUT/experiment.md: a row per run, then with several seeds the mean per arm."""
     rows = [json.loads(line) for line in open(out / "results.jsonl")] if (out / "results.jsonl").exists() else []
-    dtypes = sorted({key.split("_", 1)[1] for row in rows for key in row if key.startswith("final_")})
+    scored = [k for k in ("final_bfloat16", "final_float32", "master_bfloat16", "master_float32",
+                          "master_rounded_float32") if any(k in r for r in rows)]
+    names = {"final_bfloat16": "final/ bf16", "final_float32": "final/ fp32", "master_bfloat16": "master bf16",
+             "master_float32": "master fp32", "master_rounded_float32": "master bf16-rounded, fp32"}
     lines = [header, "",
-             "Accuracy on the held-out prompts, greedy: the last in-run evaluation (the actors' engine), "
-             "final/ and the float32 master in each dtype, and the master rounded to bfloat16 run in float32; "
-             "weights moved from the start, in float32 and as bfloat16 sees them.", "",
-             "| arm | seed | steps | in-run | " + " | ".join(f"final/ {d}" for d in dtypes) + " | "
-             + " | ".join(f"master {d}" for d in dtypes) + " | master bf16-rounded | moved | moved in bf16 "
-             "| largest move | mismatch KL max | entropy at the end |",
-             "|---|---|---|---|" + "---|" * (2 * len(dtypes) + 6)]
+             "Held-out accuracy, greedy: the run's own evaluations (the actors' engine, by step), then final/ and "
+             "the float32 master scored by `async-rl eval` in bf16 and fp32; the share of weights the run moved, "
+             "in float32 and as bfloat16 sees them; the largest is/mismatch_kl of a step; the policy's entropy at "
+             "the last step.", "",
+             "| arm | seed | steps | in the run | " + " | ".join(names[k] for k in scored)
+             + " | moved | moved in bf16 | mismatch KL max | entropy at the end |",
+             "|---|---|---|---|" + "---|" * (len(scored) + 4)]
     for r in rows:
-        lines.append(f"| {r['arm']} | {r['seed']} | {r['steps']} | {r['last_eval']:.2f} | "
-                     + " | ".join(f"{r[f'final_{d}']:.2f}" for d in dtypes) + " | "
-                     + " | ".join(f"{r[f'master_{d}']:.2f}" for d in dtypes)
-                     + f" | {r['master_rounded_float32']:.2f} | {r['moved']:.1%} | {r['moved_bf16']:.1%} "
-                     f"| {r['largest_move']:.1e} | {r['mismatch_kl_max']:.4f} | {r['entropy_last']:.4f} |")
+        curve = " → ".join(f"{v:.2f}" for _, v in sorted((int(k), v) for k, v in r["evals"].items())) \
+            if "evals" in r else f"{r['last_eval']:.2f}"
+        lines.append(f"| {r['arm']} | {r['seed']} | {r['steps']} | {curve} | "
+                     + " | ".join(f"{r[k]:.2f}" if k in r else "" for k in scored)
+                     + f" | {r['moved']:.1%} | {r['moved_bf16']:.1%} | {r['mismatch_kl_max']:.4f} "
+                     f"| {r['entropy_last']:.4f} |")
+    arms = {}
+    for r in rows:
+        arms.setdefault((r["arm"], r["steps"]), []).append(r)
+    if any(len(runs) > 1 for runs in arms.values()):
+        lines += ["", "Mean over seeds (min–max):", "",
+                  "| arm | steps | seeds | last in-run | " + " | ".join(names[k] for k in scored) + " |",
+                  "|---|---|---|---|" + "---|" * len(scored)]
+        for (arm, steps), runs in arms.items():
+            lines.append(f"| {arm} | {steps} | {len(runs)} | {mean_cell(runs, 'last_eval')} | "
+                         + " | ".join(mean_cell(runs, k) for k in scored) + " |")
     table = "\n".join(lines) + "\n"
     (out / "experiment.md").write_text(table)
     return table
@@ -195,11 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", type=Path)
     parser.add_argument("--start", type=Path, required=True,
                         help="the model every run starts from (float32: arms round or dither it)")
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=["base"])
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=[])
+    parser.add_argument("--arm", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="an arm of your own: its overrides (start=bf16 or start=dither for the start's)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--steps", type=int, default=7, help="train.max_steps of every run")
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
-                        help="the dtypes each model is scored in")
+    parser.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"],
+                        help="the dtypes each model is scored in (none: the in-run evaluations alone)")
     parser.add_argument("--out", type=Path, default=Path("runs/precision"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
@@ -208,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "analysis/precision_experiment.py", *(sys.argv[1:] if argv is None else argv)])
     header = f"Precision experiment: `{command}`."
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    for spec in args.arm:
+        name, _, overrides = spec.partition(":")
+        ARMS[name] = [o for o in overrides.split(",") if o]
+        args.arms.append(name)
     if not args.report_only:
         for seed in args.seeds:
             for arm in args.arms:

@@ -32,7 +32,7 @@ class LearnerConfig(Section):
     skip_zero_advantage: bool = Field(True, description="Leave groups whose every advantage is 0 out of forward and backward (same update).")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="FSDP2 mixed precision: bf16 compute with fp32 master weights, or fp32.")
     attention: Literal["sdpa", "eager"] | None = Field(None, description="The policy's attention kernel (null = the model's default).")
-    dither_masters: bool = Field(False, description="Master weights loaded exactly on the 16-bit grid the policy runs in are spread inside their rounding intervals, so its 16-bit copies follow small updates.")
+    dither_masters: bool = Field(True, description="Master weights loaded exactly on the 16-bit grid the policy runs in are spread inside their rounding intervals, so its 16-bit copies follow small updates.")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in backward.")
     timeout_s: float = Field(600.0, gt=0.0, description="Timeout of learner collectives and of waiting for experience.")
 

@@ -7,7 +7,7 @@ the dtype its actors ran (`actors_dtype`), and master weights that start exactly
 grid are first spread inside their rounding intervals (`dither_to_grid`): from the
 grid, round-to-nearest erases every update smaller than half a spacing, so neither the
 actors nor the bf16 forward would see the optimizer's first steps, while the master
-accumulates them (docs/results.md, "What final/ is").
+accumulates them (docs/results.md, "What final/ holds").
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ def actors_dtype(cfg) -> torch.dtype:
     if engine.name == "vllm" and dtype == "auto":
         from transformers import AutoConfig
 
-        dtype = str(getattr(AutoConfig.from_pretrained(cfg.model.path), "torch_dtype", None) or "float32")
-        dtype = dtype.removeprefix("torch.")
+        dtype = str(getattr(AutoConfig.from_pretrained(cfg.model.path), "dtype", None)).removeprefix("torch.")
     resolved = getattr(torch, dtype, torch.float32)
     return resolved if resolved in SIXTEEN_BIT else torch.float32
 

@@ -90,3 +90,42 @@ def test_a_gather_yields_the_master_weights_after_a_forward_without_backward(one
     assert {t.dtype for t in gathered.values()} == {torch.float32}
     assert all(torch.equal(gathered[name], masters[name]) for name in masters)
     assert not all(on_grid(t, torch.bfloat16).all() for t in gathered.values())
+
+
+def test_from_a_bf16_start_the_16bit_copy_follows_the_updates_only_with_dithered_masters(one_rank_mesh, tmp_path,
+                                                                                          tiny_llama_dir):
+    """A bf16 learner from a model written in bf16, three AdamW steps at lr 2e-6: every
+    weight of magnitude 0.01 or more moves by less than half its bf16 spacing (at least
+    3e-5). From masters on the grid no bf16 copy of those weights moves, though the
+    masters all did; from dithered masters the copies follow them, a few percent by a
+    whole spacing each."""
+    from transformers import LlamaForCausalLM
+    from workers.fsdp_step import synthetic_groups
+
+    from async_rl.learner.batching import build_batch
+    from async_rl.learner.models import build_models
+    from async_rl.learner.sharding import full_parameters
+    from async_rl.learner.step import train_step
+
+    start = tmp_path / "bf16-start"
+    LlamaForCausalLM.from_pretrained(tiny_llama_dir).to(torch.bfloat16).save_pretrained(start)
+    begin = {n: p.detach().float() for n, p in LlamaForCausalLM.from_pretrained(start, dtype=torch.float32)
+             .named_parameters()}
+    large = {n: t.abs() >= 0.01 for n, t in begin.items()}
+    moved = {}
+    for dither in (False, True):
+        cfg = build_config({"model": {"path": str(start)}, "train": {"batch_groups": 4, "group_size": 4, "lr": 2e-6},
+                            "learner": {"ranks": 1, "micro_batch_size": 4, "precision": "bf16",
+                                        "dither_masters": dither}, "actors": {"engine": {"dtype": "bfloat16"}}})
+        models = build_models(cfg, torch.device("cpu"), one_rank_mesh)
+        for seed in (1, 2, 3):
+            train_step(cfg, models, build_batch(synthetic_groups(4, 4, seed=seed), pad_id=0), {})
+        final = dict(full_parameters(models.policy))
+        count = sum(int(large[n].sum()) for n in final)
+        masters = sum(int(((t - begin[n]).abs() > 0)[large[n]].sum()) for n, t in final.items()) / count
+        copies = sum(int((t.to(torch.bfloat16) != begin[n].to(torch.bfloat16))[large[n]].sum())
+                     for n, t in final.items()) / count
+        moved[dither] = masters, copies
+    assert moved[False][0] > 0.5 and moved[True][0] > 0.5  # the masters took the updates either way
+    assert moved[False][1] == 0.0
+    assert moved[True][1] > 0.02
