@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
 
             from async_rl.evaluation.saved_model import score_saved_model
 
+            if not (Path(args.model) / "config.json").is_file():
+                print(f"async-rl: eval: {args.model} is not a model directory (no config.json)", file=sys.stderr)
+                return 2
+
             scored = score_saved_model(load_config(args.config, [*args.overrides, f"model.path={args.model}"]),
                                        args.model, threads=args.threads, show=args.show)
             print(json.dumps(scored.line), *scored.shown, sep="\n", flush=True)

@@ -12,7 +12,9 @@
       endpoints.json   the hub's addresses and the pids of the learner and live actors
       trace.json       the timeline, Chrome trace format (run/tracing.py)
       checkpoints/     resumable checkpoints (learner/checkpoint.py)
-      final/           the trained model, a Hugging Face directory (LoRA: a peft adapter)
+      final/           the trained model as the actors held it (their dtype), a Hugging Face
+                       directory with a README.md card (LoRA: a peft adapter)
+      final-master/    the learner's float32 master weights (checkpoint.final_master)
       logs/ tb/        process logs; TensorBoard events
       base_model/      the demo model a run with model.path=demo starts from
       analysis/        figures written by the analysis scripts

@@ -182,3 +182,10 @@ def test_reference_lists_every_contract_key():
 def test_the_config_page_is_the_generated_reference():
     """docs/config.md holds the table `async-rl config-doc` prints, as of this code."""
     assert reference_markdown().strip() in (ROOT / "docs" / "config.md").read_text()
+
+
+def test_cli_eval_of_a_directory_that_is_no_model_exits_2_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "async_rl.cli", "eval", str(ROOT / "configs/demo.yaml"),
+                           str(tmp_path)], capture_output=True, text=True, timeout=60, env=subprocess_env())
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"async-rl: eval: {tmp_path} is not a model directory (no config.json)"]
