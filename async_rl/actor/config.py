@@ -1,5 +1,5 @@
-"""The actors' sections: how many, which engine, how they sample, and how user reward
-code is guarded."""
+"""The actors' sections: how many, which engine, how they sample, and where and how
+user reward code runs."""
 from __future__ import annotations
 
 from typing import Literal
@@ -43,6 +43,8 @@ class ActorsConfig(Section):
 
 
 class RewardConfig(Section):
+    executor: Literal["process", "thread"] = Field("process", description="Where the task's reward runs: `process`, worker processes killed at a call's deadline; `thread`, a thread of the actor (no start-up, but a call past its deadline may keep a core busy).")
+    workers: int = Field(2, ge=1, le=256, description="Reward worker processes per actor (reward.executor=process).")
     timeout_s: float = Field(10.0, gt=0.0, description="A reward call running longer is stopped and scored reward.fallback.")
     fallback: float = Field(0.0, allow_inf_nan=False, description="The reward of a response whose reward call failed (counted by reason).")
     max_error_frac: float = Field(0.5, ge=0.0, le=1.0, description="A step with more samples scored reward.fallback stops the run (exit 4).")

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
-import numbers
 import queue
 import threading
 import time
@@ -31,39 +29,10 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from async_rl.wire.messages import FAILURE_REASONS, MAX_FAILURE_NOTE
+from async_rl.rewards.outcome import Failed
+from async_rl.wire.messages import FAILURE_REASONS
 
 log = logging.getLogger("async_rl.reward")
-_FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards travel as float32: beyond it they arrive as inf
-
-
-class Failed(Exception):
-    """A guarded call failed for `reason` (one of FAILURE_REASONS); `what` says how."""
-
-    def __init__(self, reason: str, what: str) -> None:
-        super().__init__(what)
-        self.reason = reason
-
-
-def as_reward(value: object) -> float:
-    """`value` as a float reward (a bool counts as 0/1); Failed for None, str, bytes, a
-    complex, a list... (`not_a_number`), NaN, inf or beyond float32 (`non_finite`)."""
-    if isinstance(value, bool):
-        return float(value)
-    if (value is None or isinstance(value, (str, bytes, bytearray))
-            or (isinstance(value, numbers.Number) and not isinstance(value, numbers.Real))):
-        raise Failed("not_a_number", f"returned {value!r:.60}")
-    try:
-        number = float(value)  # type: ignore[arg-type]
-    except OverflowError:  # an int beyond float range
-        raise Failed("non_finite", f"returned {value!r:.60}") from None
-    except Exception:  # float() refuses it (a list, an object without __float__)
-        raise Failed("not_a_number", f"returned {value!r:.60}") from None
-    if not math.isfinite(number) or abs(number) > _FLOAT32_MAX:
-        raise Failed("non_finite", f"returned {value!r:.60}")
-    return number
 
 
 class Guard:
@@ -88,13 +57,6 @@ class Guard:
                              "(reward/errors_%s), not logged", self.kind, self.name, str(failure).splitlines()[0],
                              self.fallback, failure.reason, failure.reason, exc_info=failure.__cause__)
         return self.fallback
-
-
-def failure_note(failure: Failed) -> str:
-    """The first line of how `failure` happened, short enough to travel (wire
-    MAX_FAILURE_NOTE)."""
-    line = str(failure).splitlines()[0] if str(failure) else failure.reason
-    return line if len(line) <= MAX_FAILURE_NOTE else line[:MAX_FAILURE_NOTE - 3] + "..."
 
 
 class _Interrupted(BaseException):

@@ -28,6 +28,7 @@ from async_rl.actor.sync import InFlight, LeaveNow, Syncer
 from async_rl.config import from_yaml
 from async_rl.device import collective_backend, resolve_device
 from async_rl.models.loading import quiet_libraries
+from async_rl.rewards.pool import RewardPoolError
 from async_rl.run.processes import peak_rss_mb
 from async_rl.run.tracing import SpanRecorder, WaitSpan, now_us, spans_to_arrays
 from async_rl.tasks import task_from_config
@@ -107,7 +108,7 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
     beat = threading.Thread(target=_heartbeat_loop, daemon=True,
                             args=(ctx, hub_addr, keys_dir, state, spans, stop, cfg.actors.heartbeat_s))
     beat.start()
-    push = None
+    push = rollout = None
     try:
         quiet_libraries()
         torch.set_num_threads(cfg.actors.threads)
@@ -129,7 +130,11 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             print(f"async-rl: actor {name}: {err}", file=sys.stderr, flush=True)
             return 2
         generator = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + actor_id)
-        rollout = Rollout.from_config(cfg, engine, prompt_format, task_from_config(cfg.task, cfg.seed), generator)
+        try:
+            rollout = Rollout.from_config(cfg, engine, prompt_format, task_from_config(cfg.task, cfg.seed), generator)
+        except RewardPoolError as err:  # the reward does not even import: one line, as a bad config
+            print(f"async-rl: actor {name}: {err}", file=sys.stderr, flush=True)
+            return 2
         sync_args = dict(bucket_mb=cfg.sync.bucket_mb, backend=collective_backend(device), timeout_s=cfg.sync.timeout_s)
         make_receiver = getattr(engine, "weight_receiver", None)  # engines whose weights live elsewhere (vLLM)
         receiver = (make_receiver(**sync_args) if make_receiver is not None
@@ -204,6 +209,8 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             pass
         if push is not None:
             push.close()
+        if rollout is not None:
+            rollout.close()
         hub.close(linger_ms=1000)  # lets the goodbye out
         ctx.term()
 

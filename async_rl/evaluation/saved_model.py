@@ -50,8 +50,11 @@ def score_saved_model(cfg: Config, model: str, threads: int = 2, show: int = 0) 
     # An actor's evaluation, chunk by chunk: episodes, the guarded reward, the same limits.
     rollout = Rollout.from_config(cfg, engine, prompt_format, task, torch.Generator().manual_seed(cfg.seed))
     started = time.perf_counter()
-    groups = [g for i in range(0, len(prompts), e.batch_size)
-              for g in rollout.evaluation([p.id for p in prompts[i:i + e.batch_size]])]
+    try:
+        groups = [g for i in range(0, len(prompts), e.batch_size)
+                  for g in rollout.evaluation([p.id for p in prompts[i:i + e.batch_size]])]
+    finally:
+        rollout.close()
     seconds = time.perf_counter() - started
     scores = Scores.of(groups)
     line = {"model": str(model), "dtype": dtype, "max_new_tokens": e.max_new_tokens or cfg.actors.max_new_tokens,

@@ -74,6 +74,17 @@ def task_from_config(section, seed: int) -> Task:
     return WithReward(task, load_reward_fn(section.reward)) if section.reward else task
 
 
+def reward_from_config(section, seed: int) -> RewardFn:
+    """The reward of the task a `task` section describes, as `task_from_config` would
+    score with it, built without the task's prompts when the section names the reward
+    (a reward worker needs the function, not the data)."""
+    if getattr(section, "reward", None):
+        from async_rl.tasks.rows import with_fields
+
+        return with_fields(load_reward_fn(section.reward))
+    return task_from_config(section, seed).reward
+
+
 def make_task(name: str, *, seed: int, **options: Any) -> Task:
     """Build a task by name; unknown names or options raise ValueError saying which."""
     try:
@@ -105,5 +116,6 @@ __all__ = [
     "load_reward_fn",
     "make_task",
     "read_jsonl",
+    "reward_from_config",
     "task_from_config",
 ]

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from async_rl.actor.environments.base import Turn
-from async_rl.actor.guard import Call, Calls, Failed, Guard, as_reward, failure_note
+from async_rl.actor.guard import Call, Calls, Guard
 from async_rl.actor.rollout.episode import Episode
 from async_rl.actor.rollout.turns import MAX_CHARS_PER_TOKEN, TurnFormat
+from async_rl.rewards.outcome import Failed, as_reward, failure_note
 from async_rl.tasks.base import Prompt
 
 GATHER_S = 0.02  # answers that come within a moment join the same batch

@@ -21,11 +21,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from async_rl.actor.guard import Call, Calls, Failed, Guard, as_reward, failure_note
+from async_rl.actor.guard import Call, Calls, Guard
 from async_rl.actor.rollout.episode import Episode
 from async_rl.actor.rollout.episodes import Environments, Limits, Sampling, run_episodes
 from async_rl.actor.rollout.turns import TurnFormat
 from async_rl.config import Config
+from async_rl.rewards.outcome import Failed, as_reward, failure_note
+from async_rl.rewards.pool import Call as RewardCall
+from async_rl.rewards.pool import RewardPool
 from async_rl.run.tracing import SpanRecorder
 from async_rl.staleness import group_version
 from async_rl.tasks import PromptIndex
@@ -70,12 +73,18 @@ class Rollout:
     def __init__(self, *, engine, prompt_format, task: Task, group_size: int, sampling: Sampling, limits: Limits,
                  eval_sampling: Sampling, eval_limits: Limits, eval_samples: int, reward: Guard,
                  environments: Environments | None = None, baseline: bool = False,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, reward_pool: RewardPool | None = None) -> None:
         self.engine, self.prompt_format, self.task = engine, prompt_format, task
         self.prompts = PromptIndex(task)
         self.group_size, self.sampling, self.limits = group_size, sampling, limits
         self.eval_sampling, self.eval_limits, self.eval_samples = eval_sampling, eval_limits, eval_samples
         self.reward, self.environments, self.baseline, self.generator = reward, environments, baseline, generator
+        self.reward_pool = reward_pool
+
+    def close(self) -> None:
+        """Stop the reward's worker processes, if it has any."""
+        if self.reward_pool is not None:
+            self.reward_pool.close()
 
     @classmethod
     def from_config(cls, cfg: Config, engine, prompt_format, task: Task, generator: torch.Generator | None = None,
@@ -96,11 +105,16 @@ class Rollout:
             environments = Environments(environment_factory(env.name, task, env.options, env.max_turns), guard,
                                         TurnFormat(prompt_format))
             limits = eval_limits = Limits(env.max_turns, env.max_tokens, env.turn_tokens or a.max_new_tokens)
+        pool = None
+        if environments is None and cfg.reward.executor == "process":
+            pool = RewardPool(cfg.task.model_dump(mode="json"), cfg.seed, processes=cfg.reward.workers,
+                              timeout_s=cfg.reward.timeout_s)
+            pool.start()
         return cls(engine=engine, prompt_format=prompt_format, task=task, group_size=cfg.train.group_size,
                    sampling=Sampling(a.temperature, a.top_p), limits=limits,
                    eval_sampling=Sampling(e.temperature or 1.0, greedy=e.temperature == 0.0), eval_limits=eval_limits,
                    eval_samples=e.pass_k, reward=reward, environments=environments,
-                   baseline=cfg.train.advantage.name == "remax", generator=generator)
+                   baseline=cfg.train.advantage.name == "remax", generator=generator, reward_pool=pool)
 
     def experience(self, grant: WorkGrant, actor_id: int, spans: SpanRecorder | None = None) -> list[ExperienceGroup]:
         """One ExperienceGroup per granted prompt, its `group_size` episodes as responses;
@@ -150,16 +164,22 @@ class Rollout:
 
     def _score(self, prompts: list[Prompt], groups: list[list[Episode]]) -> None:
         """Single-turn episodes' rewards (groups[i]: prompt i's): the task's reward on each
-        response, guarded, one after the other in one worker thread. (An environment
-        scores its own episodes.)"""
+        response, guarded: in the reward's worker processes, or one after the other in one
+        worker thread. (An environment scores its own episodes.)"""
         if self.environments is not None:
             return
         pairs = [(p, ep) for p, group in zip(prompts, groups, strict=True) for ep in group]
-        calls = Calls()
-        calls.submit([Call(i, self.reward, functools.partial(self.task.reward, **p.fields),
-                           (p.text, self.prompt_format.response_text(ep.tokens), p.answer), as_reward)
-                      for i, (p, ep) in enumerate(pairs)])
-        for i, outcome in calls.wait_all().items():
+        texts = [self.prompt_format.response_text(ep.tokens) for _, ep in pairs]
+        if self.reward_pool is not None:
+            outcomes = dict(enumerate(self.reward_pool.score(
+                [RewardCall(p.text, text, p.answer, p.fields) for (p, _), text in zip(pairs, texts)])))
+        else:
+            calls = Calls()
+            calls.submit([Call(i, self.reward, functools.partial(self.task.reward, **p.fields),
+                               (p.text, text, p.answer), as_reward)
+                          for i, ((p, _), text) in enumerate(zip(pairs, texts))])
+            outcomes = calls.wait_all()
+        for i, outcome in outcomes.items():
             ep = pairs[i][1]
             if isinstance(outcome, Failed):
                 ep.fail(self.reward.failed(outcome), outcome.reason, "reward", failure_note(outcome))

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from async_rl.actor.environments import Turn
-from async_rl.actor.guard import Call, Calls, Failed, Guard, as_reward
+from async_rl.actor.guard import Call, Calls, Guard
 from async_rl.actor.rollout.episodes import checked_turn, has_step
 from async_rl.learner.step_data import step_errors
+from async_rl.rewards.outcome import Failed, as_reward
 from async_rl.wire import ExperienceGroup, WireError, decode, encode
 from async_rl.wire.messages import FAILURE_REASONS
 

@@ -1,0 +1,79 @@
+"""A reward worker: `python -m async_rl.rewards.worker IN_FD OUT_FD`, started by the
+actor's RewardPool. It builds the reward from the first message (the task section
+and the seed), says it is ready, then scores one request at a time, in its main thread,
+so that a reward may time itself out with signal.alarm (math-verify does). It dies with
+the actor (PR_SET_PDEATHSIG) and exits when the actor closes its pipe; a call past its
+deadline is not its business: the actor kills it. Requests come in batches, answers
+one call at a time.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+import traceback
+
+from async_rl.rewards import frames
+from async_rl.rewards.outcome import Failed, as_reward, failure_note
+
+_PR_SET_PDEATHSIG = 1
+TRACEBACK_CHARS = 4000
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the closed pipe still ends the loop
+        pass
+
+
+def _build(hello: dict):
+    from pydantic import TypeAdapter
+
+    from async_rl.tasks import reward_from_config
+    from async_rl.tasks.config import TaskConfig
+
+    return reward_from_config(TypeAdapter(TaskConfig).validate_python(hello["task"]), int(hello["seed"]))
+
+
+def _score(reward, request: dict) -> dict:
+    start = time.perf_counter()
+    try:
+        value = as_reward(reward(request["prompt"], request["response"], request["answer"], **request["fields"]))
+        reply: dict = {"value": value}
+    except Failed as failure:
+        reply = {"failure": failure.reason, "note": failure_note(failure)}
+    except Exception as err:
+        reply = {"failure": "raised", "note": failure_note(Failed("raised", f"raised {type(err).__name__}: {err}")),
+                 "traceback": traceback.format_exc()[-TRACEBACK_CHARS:]}
+    reply["id"], reply["seconds"] = request["id"], time.perf_counter() - start
+    return reply
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    read_fd, write_fd = int(argv[0]), int(argv[1])
+    os.dup2(2, 1)  # a reward that prints writes to the actor's log, not into the replies
+    requests = frames.FrameReader(read_fd)
+    hello = requests.next()
+    if hello is None:
+        return 0
+    try:
+        reward = _build(hello)
+    except BaseException as err:  # an import error, a bad spec: the pool reports it once
+        frames.write(write_fd, frames.encode({"ready": False, "error": f"{type(err).__name__}: {err}"[:1000]}))
+        return 1
+    frames.write(write_fd, frames.encode({"ready": True}))
+    while (batch := requests.next()) is not None:
+        for call in batch["calls"]:  # answered one by one: the actor times each call from the last answer
+            frames.write(write_fd, frames.encode(_score(reward, call)))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except BrokenPipeError:  # the actor has gone: nobody to answer
+        sys.exit(0)
