@@ -2,6 +2,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import pytest
 import zmq
 
 from async_rl.run.directory import RunDir
+from async_rl.sandbox import LocalSandbox, SandboxLimits
+from async_rl.sandbox.local import RUN_TAG
 from async_rl.wire import RejectCounter, WireLimits, recv, send
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -336,3 +339,62 @@ def text_at(acc, step: int) -> str:
     events = [e for e in acc.Tensors(f"{GENERATIONS_TAG}/text_summary") if e.step == step]
     assert len(events) == 1
     return events[0].tensor_proto.string_val[0].decode()
+
+
+# --- the sandbox's tests: sandboxes with short limits, and runs checked for containment ---
+
+SANDBOX_DEADLINE_S = 2.0
+SANDBOX_LIMITS = SandboxLimits(timeout_s=SANDBOX_DEADLINE_S, cpu_s=5, memory_mb=256)
+
+
+def tagged_processes(run_id: str) -> list[int]:
+    """Live processes of the run `run_id`: every process of a run carries its tag in its
+    environment (zombies have none and are no longer running)."""
+    needle = f"{RUN_TAG}={run_id}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.fixture(scope="session")
+def sandbox():
+    """Isolated where this machine allows."""
+    return LocalSandbox(SANDBOX_LIMITS, max_concurrency=2)
+
+
+@pytest.fixture(scope="session")
+def unisolated_sandbox():
+    return LocalSandbox(SANDBOX_LIMITS, max_concurrency=2, isolate=False)
+
+
+@pytest.fixture
+def isolated(sandbox):
+    if not sandbox.isolation.namespaces:
+        pytest.skip(f"needs namespaces, and here: {sandbox.isolation.label}")
+    return sandbox
+
+
+@pytest.fixture
+def contained():
+    """Runs code and checks that the run was contained: it returned by its deadline plus
+    a second, and left no process and no thread behind."""
+
+    def run(sandbox: LocalSandbox, code: str, **kwargs):
+        threads = threading.active_count()
+        deadline = kwargs.get("timeout_s") or sandbox.limits.timeout_s
+        started = time.monotonic()
+        result = sandbox.run(code, **kwargs)
+        elapsed = time.monotonic() - started
+        assert elapsed <= deadline + 1.0, f"returned after {elapsed:.2f} s, deadline {deadline} s: {result}"
+        assert tagged_processes(result.run_id) == [], f"processes of the run left behind: {result}"
+        assert threading.active_count() == threads
+        return result
+
+    return run
