@@ -26,7 +26,7 @@ from async_rl.wire import (
 )
 
 LIMITS = WireLimits()
-TRUNCATED_AND_AFTER = ("truncated", "policy_mask", "step_ends", "step_rewards")
+TRUNCATED_AND_AFTER = ("truncated", "policy_mask", "step_ends", "step_rewards", "unscorable")
 TIMEOUT_MS = 30_000  # a send or receive on a local socket: at once, but a loaded machine may take its time
 
 
@@ -85,6 +85,7 @@ SAMPLES += [make_spans(), make_spans(0, dropped=7)]
 # Failed reward calls (per wire FAILURE_REASONS) travel with experience and eval results.
 SAMPLES += [
     replace(make_group(), reward_errors=[1, 0, 2, 1]),
+    replace(make_group(), reward_errors=[1, 0, 0, 0], unscorable=np.array([0, 1, 0, 0], np.uint8)),
     EvalResult(actor_id=3, round=3, version=7, prompt_ids=[2**48], rewards=np.array([[0.0, 1.0]], np.float32),
                response_lengths=np.array([[3, 8]], np.int32), truncated=np.array([[0, 1]], np.uint8),
                reward_errors=[0, 1, 0, 1]),
@@ -243,6 +244,8 @@ CASES = {
     "reward_errors_negative": (_header_edit(make_group(), _body(reward_errors=[-1, 0, 0, 0])), "bad_value"),
     "reward_errors_float": (_header_edit(make_group(), _body(reward_errors=[0.5, 0, 0, 0])), "bad_field_type"),
     "reward_errors_above_samples": (encode(_group(reward_errors=[3, 0, 2, 0])), "bad_value"),
+    "unscorable_shape": (encode(_group(unscorable=np.zeros(3, np.uint8))), "shape_mismatch"),
+    "unscorable_not_0_or_1": (encode(_group(unscorable=np.full(4, 2, np.uint8))), "bad_value"),
     "eval_reward_errors_above_samples": (encode(replace(SAMPLES[-1], reward_errors=[0, 3, 0, 0])),
                                          "bad_value"),
 }

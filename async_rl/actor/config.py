@@ -43,8 +43,9 @@ class ActorsConfig(Section):
 
 
 class RewardConfig(Section):
-    executor: Literal["process", "thread"] = Field("process", description="Where the task's reward runs: `process`, worker processes killed at a call's deadline; `thread`, a thread of the actor (no start-up, but a call past its deadline may keep a core busy).")
+    executor: Literal["process", "thread"] = Field("process", description="Where the task's reward runs: `process`, workers killed at a call's deadline; `thread`, in the actor (no start-up; a call past its deadline may keep a core busy).")
     workers: int = Field(2, ge=1, le=256, description="Reward worker processes per actor (reward.executor=process).")
-    timeout_s: float = Field(10.0, gt=0.0, description="A reward call running longer is stopped and scored reward.fallback.")
-    fallback: float = Field(0.0, allow_inf_nan=False, description="The reward of a response whose reward call failed (counted by reason).")
-    max_error_frac: float = Field(0.5, ge=0.0, le=1.0, description="A step with more samples scored reward.fallback stops the run (exit 4).")
+    timeout_s: float = Field(10.0, gt=0.0, description="A reward call running longer is stopped and fails as `timeout`.")
+    on_failure: Literal["exclude", "fallback"] = Field("exclude", description="A sample whose reward or environment failed: `exclude` leaves it out of its group and the loss (a group left with < 2 is dropped); `fallback` trains on reward.fallback.")
+    fallback: float = Field(0.0, allow_inf_nan=False, description="The reward a failed call scores: in evaluations, and in training with reward.on_failure=fallback.")
+    max_error_frac: float = Field(0.5, ge=0.0, le=1.0, description="A step with a larger share of failed reward or environment calls stops the run (exit 4).")

@@ -22,7 +22,7 @@ from async_rl.algorithms.aggregation import agg_denominator
 from async_rl.algorithms.cispo import cispo_loss
 from async_rl.algorithms.corrections import Correction
 from async_rl.algorithms.gspo import gspo_loss
-from async_rl.algorithms.opmd import opmd_loss
+from async_rl.algorithms.opmd import learning_group_count, opmd_loss
 from async_rl.algorithms.ppo import ppo_clip_loss
 from async_rl.algorithms.step_metrics import Figure, Mean
 
@@ -128,7 +128,7 @@ class OPMD:
         return LossOutput(loss, metrics)
 
     def units(self, mask: torch.Tensor, group: torch.Tensor, agg: str) -> float:
-        return float(torch.unique(group).numel())
+        return float(learning_group_count(mask, group))
 
 
 LOSSES: dict[str, PolicyLoss] = {"ppo": PPOClip(), "gspo": GSPO(), "cispo": CISPO(), "opmd": OPMD()}

@@ -25,6 +25,11 @@ from __future__ import annotations
 import torch
 
 
+def learning_group_count(mask: torch.Tensor, group: torch.Tensor) -> int:
+    """The groups (ids in `group` [B]) with at least one response token in `mask` [B, T]."""
+    return int(torch.unique(group[mask.bool().any(dim=-1)]).numel())
+
+
 def opmd_loss(
     logp: torch.Tensor,
     logp_behav: torch.Tensor,
@@ -63,8 +68,11 @@ def opmd_loss(
     if weights is not None:  # an empty response (no gradient) keeps weight 1: its residual is still a loss value
         mean_weight = torch.where(response, weights.detach().to(dtype), zero).sum(-1) / response.sum(-1).clamp(min=1)
         seq_weight = torch.where(response.any(-1), mean_weight, seq_weight)
-    # (1/k) sum over the group, then mean over groups == sum_j residual_j^2 / (k_j * G).
-    loss = (seq_weight * residual.square() / k).sum() / max(n_groups, 1)
+    # (1/k) sum over the group, then mean over groups == sum_j residual_j^2 / (k_j * G),
+    # G counting the groups with a response token (a left-out sample is a group of one
+    # without any: it has nothing to learn from).
+    learning_groups = learning_group_count(response, group)
+    loss = (seq_weight * residual.square() / k).sum() / max(learning_groups, 1)
 
     with torch.no_grad():
         stats = {

@@ -56,11 +56,13 @@ def build_batch(groups, pad_id: int) -> Batch:
     from the ragged sample format to the padded row layout. Only the policy's tokens
     are scored (`loss_mask`); an environment's tokens in a multi-turn response are
     context."""
-    rows = []
+    rows, excluded = [], []
     for g_index, g in enumerate(groups):
         prompt = np.asarray(g.prompt_tokens, dtype=np.int64)
+        left_out = unscorable(g)
         for j, response in enumerate(g.responses()):
             rows.append((prompt, response, float(g.rewards[j]), g_index, g.greedy_reward, int(g.truncated[j])))
+            excluded.append(bool(left_out[j]))
     N = len(rows)
     L = max(len(p) + len(r.tokens) for p, r, *_ in rows)
     L = max(L, 2)
@@ -91,9 +93,27 @@ def build_batch(groups, pad_id: int) -> Batch:
             scored = np.flatnonzero(loss_mask[i])
             if scored.size:
                 step_rewards[i, scored[-1]] = reward
+    # Unscorable samples train nothing and take no part in their group's statistics: no
+    # loss tokens, and a group id of their own (a group of one has advantage 0).
+    for i in np.flatnonzero(excluded):
+        loss_mask[i] = 0.0
+        rewards[i], group[i] = 0.0, len(groups) + i
+        step_rewards[i] = np.nan
     t = torch.from_numpy
     return Batch(t(tokens), t(attention), t(loss_mask), t(logp_behav), t(rewards), t(baselines), t(group),
                  t(prompt_len), t(truncated), t(step_rewards))
+
+
+def unscorable(group: ExperienceGroup) -> np.ndarray:
+    """The samples of `group` the learner leaves out (bool [G]): those whose reward or
+    environment failed (reward.on_failure=exclude), and all of them when fewer than two
+    are left, which leave nothing to compare (the group is dropped)."""
+    flags = np.zeros(len(group.rewards), dtype=bool)
+    if len(group.unscorable):
+        flags = group.unscorable.astype(bool)
+        if len(flags) - flags.sum() < 2:
+            flags[:] = True
+    return flags
 
 
 def assign_to_ranks(groups: Sequence[T], world: int, minibatches: int) -> list[list[T]]:

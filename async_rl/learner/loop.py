@@ -186,8 +186,8 @@ class Loop:
                     f"finite step")
 
     def reward_error_stop(self, bad_rewards: bool, data: StepData | None) -> Stop | None:
-        """When more of the step's samples than reward.max_error_frac were scored
-        reward.fallback: rank 0's verdict (all_reduce_verdicts), and its reason, which
+        """When more of the step's samples than reward.max_error_frac failed in their
+        reward or environment: rank 0's verdict (all_reduce_verdicts), and its reason, which
         names the code that failed most (the environment or the task's reward)."""
         if not bad_rewards:
             return None
@@ -199,8 +199,10 @@ class Loop:
         else:
             culprit, counts, fix = "task.reward", errors.reward, "fix task.reward"
         first = f"; first: {errors.first}" if errors.first else ""
+        fate = ("were left out as unscorable" if self.cfg.reward.on_failure == "exclude"
+                else "were scored reward.fallback")
         reason = (f"stopped: {errors.frac:.0%} of step {self.trainer.version}'s samples failed in {culprit} "
-                  f"({describe(counts)}) and were scored reward.fallback, over "
+                  f"({describe(counts)}) and {fate}, over "
                   f"reward.max_error_frac={self.cfg.reward.max_error_frac:g}: {fix} (the actor log has its "
                   f"first failure of each kind, with its traceback){first}")
         log.error("%s; checkpoint at %s", reason, self.checkpoint_dir())

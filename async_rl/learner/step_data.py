@@ -13,6 +13,7 @@ import numpy as np
 
 from async_rl.config import Config
 from async_rl.coordinator.replay_buffer import Taken
+from async_rl.learner.batching import unscorable
 from async_rl.learner.health import RunHealth
 from async_rl.run.metrics import batch_histograms, generations_table, version_mix
 from async_rl.run.samples import sample_records
@@ -41,10 +42,16 @@ def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float,
     truncated = np.concatenate([g.truncated for g in groups])
     gen_seconds = sum(g.gen_seconds for g in groups)
     rewards = np.concatenate([g.rewards for g in groups])
+    left_out = [unscorable(g) for g in groups]
+    scored = ~np.concatenate(left_out)
     errors = step_errors(groups)
     health.check(rewards, lengths, truncated, cfg.train.group_size)
     metrics = {
-        "train/reward_mean": float(rewards.mean()), "train/response_len_mean": float(lengths.mean()),
+        # Over the samples trained on: an unscorable sample's reward is no reward.
+        "train/reward_mean": float(rewards[scored if scored.any() else slice(None)].mean()),
+        "reward/unscorable_frac": float(1.0 - scored.mean()),
+        "reward/groups_dropped": sum(bool(flags.all()) for flags in left_out),
+        "train/response_len_mean": float(lengths.mean()),
         "train/response_len_max": float(lengths.max()), "train/truncated_frac": float(truncated.mean()),
         "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
         # The step's staleness histogram, in samples.

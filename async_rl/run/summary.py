@@ -48,12 +48,17 @@ def summary_lines(run_dir: Path) -> list[str]:
     if last.get("data/prompts_skipped"):
         rows.append(("skipped", f"{last['data/prompts_skipped']} prompts over the prompt limit "
                                 "(task.max_prompt_tokens)"))
+    # reward.on_failure=exclude shows in the steps as unscorable samples; fallback as none.
+    excluded = any(s.get("reward/unscorable_frac") for s in steps)
+    fate = "their samples left out of training (unscorable)" if excluded else "scored reward.fallback"
     for prefix, what in (("reward", "reward"), ("env", "environment")):
         if last.get(f"{prefix}/errors"):
             by_reason = ", ".join(f"{k.removeprefix(f'{prefix}/errors_')} {v}" for k, v in last.items()
                                   if k.startswith(f"{prefix}/errors_"))
-            rows.append((what, f"{last[f'{prefix}/errors']} {what} calls failed and scored reward.fallback "
-                               f"({by_reason})"))
+            rows.append((what, f"{last[f'{prefix}/errors']} {what} calls failed ({by_reason}), {fate}"))
+    dropped = sum(s.get("reward/groups_dropped", 0) for s in steps)
+    if dropped:
+        rows.append(("dropped", f"{dropped} groups left with fewer than 2 scorable samples, not trained on"))
     cut = sum(s.get("env/observations_cut", 0) for s in steps)
     if cut:
         rows.append(("env cuts", f"{cut} episodes ended truncated by an environment answer longer than they "

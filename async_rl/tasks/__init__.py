@@ -13,22 +13,25 @@ from typing import Any
 
 from async_rl.tasks.arithmetic import ArithmeticTask, exact_match
 from async_rl.tasks.base import EVAL_ID_OFFSET, Prompt, RewardFn, Task, is_eval_id
+from async_rl.tasks.coding import CodingTask
 from async_rl.tasks.dataset import DatasetTask
 from async_rl.tasks.jsonl import JsonlTask, read_jsonl
 from async_rl.tasks.reasoning_gym_adapter import ReasoningGymTask
 from async_rl.tasks.rewards import load_reward_fn
+from async_rl.tasks.rows import with_fields
 from async_rl.tasks.tool_problems import ToolProblemsTask
 from async_rl.tasks.word_problems import WordProblemsTask
 
 TASKS = {"arithmetic": ArithmeticTask, "word_problems": WordProblemsTask, "tool_problems": ToolProblemsTask,
-         "jsonl": JsonlTask, "dataset": DatasetTask, "reasoning_gym": ReasoningGymTask}
+         "coding": CodingTask, "jsonl": JsonlTask, "dataset": DatasetTask, "reasoning_gym": ReasoningGymTask}
 
 
 class WithReward:
-    """A task with its reward function replaced (`task.reward` on a built-in task)."""
+    """A task with its reward function replaced (`task.reward` on a built-in task); the
+    prompt's fields reach a reward that names them (`coding`'s tests)."""
 
     def __init__(self, task: Task, reward: RewardFn) -> None:
-        self.task, self._reward = task, reward
+        self.task, self._reward = task, with_fields(reward)
 
     def train_prompt(self, index: int) -> Prompt:
         return self.task.train_prompt(index)
@@ -37,7 +40,7 @@ class WithReward:
         return self.task.eval_prompts()
 
     def reward(self, prompt: str, response: str, answer: str, **fields: Any) -> float:
-        return self._reward(prompt, response, answer)  # checked by the caller (prepare, actors)
+        return self._reward(prompt, response, answer, **fields)  # checked by the caller (prepare, actors)
 
 
 class PromptIndex:
@@ -79,8 +82,6 @@ def reward_from_config(section, seed: int) -> RewardFn:
     score with it, built without the task's prompts when the section names the reward
     (a reward worker needs the function, not the data)."""
     if getattr(section, "reward", None):
-        from async_rl.tasks.rows import with_fields
-
         return with_fields(load_reward_fn(section.reward))
     return task_from_config(section, seed).reward
 
@@ -101,6 +102,7 @@ def make_task(name: str, *, seed: int, **options: Any) -> Task:
 __all__ = [
     "EVAL_ID_OFFSET",
     "ArithmeticTask",
+    "CodingTask",
     "JsonlTask",
     "Prompt",
     "PromptIndex",

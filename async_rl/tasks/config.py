@@ -37,6 +37,12 @@ class ToolProblemsConfig(_Rendering):
     reward: str | None = Field(None, description=REWARD)
 
 
+class CodingConfig(_Rendering):
+    name: Literal["coding"] = "coding"
+    eval_size: int = Field(256, ge=1, description="Held-out prompts, never trained on.")
+    reward: str | None = Field(None, description=REWARD)
+
+
 ROW_REWARD = ("Reward `f(prompt, response, answer, ...)` (and the row's columns it names): a built-in, "
               "`module:function` or `file.py:function`; null = env.name scores.")
 
@@ -66,5 +72,6 @@ class ReasoningGymConfig(_Rendering):
     eval_size: int = Field(256, ge=1, description="Held-out prompts, never trained on.")
 
 
-TASKS = (ArithmeticConfig, WordProblemsConfig, ToolProblemsConfig, JsonlConfig, DatasetConfig, ReasoningGymConfig)
+TASKS = (ArithmeticConfig, WordProblemsConfig, ToolProblemsConfig, CodingConfig, JsonlConfig, DatasetConfig,
+         ReasoningGymConfig)
 TaskConfig = choice(*TASKS, default=ArithmeticConfig)

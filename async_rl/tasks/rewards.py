@@ -12,7 +12,9 @@ convention and compares it with the answer:
 - `gsm8k`: the number after the last `####` (GSM8K's convention, Cobbe et al. 2021);
   strict: no `####`, no reward. The answer may be a full GSM8K solution;
 - `math_verify`: symbolic equivalence by the `math-verify` library (optional extra
-  `async-rl[math]`), for answers like `\\frac{\\sqrt{2}}{2}` vs `\\sqrt{2}/2`.
+  `async-rl[math]`), for answers like `\\frac{\\sqrt{2}}{2}` vs `\\sqrt{2}/2`;
+- `code_tests`, `code_tests_all_pass`: the response's code run against the row's
+  `tests` in a sandbox (code_rewards.py); the fraction passed, or 1.0 only for all.
 
 Numbers compare by value: "1,234" = "1234", "3.50" = "3.5", "3/4" = "0.75",
 "\\frac{1}{2}" = "0.5", with a relative tolerance of 1e-6.
@@ -26,6 +28,7 @@ import threading
 
 from async_rl.tasks.arithmetic import exact_match
 from async_rl.tasks.base import RewardFn, load_callable
+from async_rl.tasks.code_rewards import code_tests, code_tests_all_pass
 
 # A number as models write it: a sign (only where it cannot be a minus between two
 # terms: "5-7" is two numbers), thousands separators, decimals, a fraction a/b.
@@ -191,6 +194,8 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "boxed": boxed,
     "gsm8k": gsm8k,
     "math_verify": math_verify,
+    "code_tests": code_tests,
+    "code_tests_all_pass": code_tests_all_pass,
 }
 
 

@@ -248,6 +248,9 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
     policy_mask: UInt8Vector = field(default_factory=_empty(np.uint8))  # [R], or [0]: all the policy's
     step_ends: Int32Vector = field(default_factory=_empty(np.int32))  # [S] flat offsets, increasing
     step_rewards: Float32Vector = field(default_factory=_empty(np.float32))  # [S]
+    # [G] 1 = the sample's reward (or environment) failed and reward.on_failure=exclude:
+    # it takes no part in the group's statistics or the loss; [0]: every sample scored.
+    unscorable: UInt8Vector = field(default_factory=_empty(np.uint8))
 
     @classmethod
     def from_responses(cls, responses: Sequence[Response], **fields: Any) -> "ExperienceGroup":
@@ -304,7 +307,10 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
             return reason
         if self.observations_cut > g + (self.greedy_reward is not None):
             return "bad_value"
-        if (self.prompt_tokens < 0).any() or (self.response_tokens < 0).any() or (self.truncated > 1).any():
+        if self.unscorable.shape not in ((0,), (g,)):
+            return "shape_mismatch"
+        if ((self.prompt_tokens < 0).any() or (self.response_tokens < 0).any() or (self.truncated > 1).any()
+                or (self.unscorable > 1).any()):
             return "bad_value"
         if (self.logprobs > LOGPROB_TOLERANCE).any():
             return "bad_value"

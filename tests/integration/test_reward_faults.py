@@ -1,5 +1,6 @@
-"""User reward code that fails on some responses is data: such samples score
-reward.fallback, are counted per reason (reward/errors*) and the run goes on; a reward
+"""User reward code that fails on some responses is data: such samples are left out as
+unscorable (reward.on_failure=exclude), counted per reason (reward/errors*), and the run
+goes on; a reward
 that fails on most responses stops the run with a checkpoint and exit status 4.
 The rewards (tests/integration/fault_rewards.py) pass the launch check and fail only on model output."""
 import os
@@ -30,6 +31,7 @@ def test_rewards_that_raise_hang_or_return_nan_or_none_are_counted_and_the_run_f
     assert last["reward/errors"] == sum(by_reason.values()) > 0
     assert all(n > 0 for n in by_reason.values()), by_reason  # raised, timeout (0.5 s), NaN, None
     assert all(s["reward/error_frac"] <= 0.5 for s in steps)
+    assert any(s["reward/unscorable_frac"] > 0 for s in steps)  # left out, not trained on as zeros
     # Evaluation scored through the guard too: without it a None reward ends the actor
     # in the step-0 round; its first failure of each kind is logged once, in the actor log.
     assert evals and evals[0]["step"] == 0

@@ -4,9 +4,10 @@ Every response is an episode (episodes.py): a single-turn one is one policy turn
 by the task's reward; a multi-turn one (env.name) plays against an environment, which
 gives the rewards. `experience` turns a work grant into one ExperienceGroup per prompt
 (the training-sample format), `scores` an evaluation grant's held-out prompts into their
-rewards. All user code (the reward, the environment) runs guarded (actor/guard.py): a
-failure scores reward.fallback and is counted in the message's `reward_errors` or
-`env_errors`, whichever code failed.
+rewards. All user code (the reward, the environment) runs guarded (actor/guard.py, or
+the reward's worker processes, rewards/pool.py): a failure scores reward.fallback, is
+counted in the message's `reward_errors` or `env_errors`, whichever code failed, and
+with reward.on_failure=exclude marks its sample `unscorable` (the learner leaves it out).
 
 ReMax's baseline is part of the same path: one greedy episode per prompt with the same
 weights, scored like the samples, its reward the group's `greedy_reward`; with an
@@ -73,13 +74,14 @@ class Rollout:
     def __init__(self, *, engine, prompt_format, task: Task, group_size: int, sampling: Sampling, limits: Limits,
                  eval_sampling: Sampling, eval_limits: Limits, eval_samples: int, reward: Guard,
                  environments: Environments | None = None, baseline: bool = False,
-                 generator: torch.Generator | None = None, reward_pool: RewardPool | None = None) -> None:
+                 generator: torch.Generator | None = None, reward_pool: RewardPool | None = None,
+                 exclude_failures: bool = False) -> None:
         self.engine, self.prompt_format, self.task = engine, prompt_format, task
         self.prompts = PromptIndex(task)
         self.group_size, self.sampling, self.limits = group_size, sampling, limits
         self.eval_sampling, self.eval_limits, self.eval_samples = eval_sampling, eval_limits, eval_samples
         self.reward, self.environments, self.baseline, self.generator = reward, environments, baseline, generator
-        self.reward_pool = reward_pool
+        self.reward_pool, self.exclude_failures = reward_pool, exclude_failures
 
     def close(self) -> None:
         """Stop the reward's worker processes, if it has any."""
@@ -114,7 +116,8 @@ class Rollout:
                    sampling=Sampling(a.temperature, a.top_p), limits=limits,
                    eval_sampling=Sampling(e.temperature or 1.0, greedy=e.temperature == 0.0), eval_limits=eval_limits,
                    eval_samples=e.pass_k, reward=reward, environments=environments,
-                   baseline=cfg.train.advantage.name == "remax", generator=generator, reward_pool=pool)
+                   baseline=cfg.train.advantage.name == "remax", generator=generator, reward_pool=pool,
+                   exclude_failures=cfg.reward.on_failure == "exclude")
 
     def experience(self, grant: WorkGrant, actor_id: int, spans: SpanRecorder | None = None) -> list[ExperienceGroup]:
         """One ExperienceGroup per granted prompt, its `group_size` episodes as responses;
@@ -144,8 +147,19 @@ class Rollout:
                 truncated=np.array([ep.truncated for ep in episodes], dtype=np.uint8),
                 gen_seconds=seconds / max(1, len(prompts)), greedy_reward=None if greedy is None else greedy.reward,
                 observations_cut=sum(ep.observation_cut for ep in scored),
-                **failures(scored)))
+                unscorable=self._unscorable(episodes, greedy), **failures(scored)))
         return out
+
+    def _unscorable(self, episodes: list[Episode], greedy: Episode | None) -> np.ndarray:
+        """The wire's `unscorable` flags: the samples whose reward or environment failed,
+        with reward.on_failure=exclude; all of them when ReMax's baseline failed (no
+        baseline, no advantage)."""
+        failed = [ep.failure is not None for ep in episodes]
+        if not self.exclude_failures or not any(failed) and (greedy is None or greedy.failure is None):
+            return np.zeros(0, dtype=np.uint8)
+        if greedy is not None and greedy.failure is not None:
+            failed = [True] * len(episodes)
+        return np.array(failed, dtype=np.uint8)
 
     def scores(self, prompt_ids: list[int]) -> Scores:
         """The held-out prompts' scores, eval.pass_k samples each (greedy unless eval.temperature > 0)."""

@@ -121,12 +121,15 @@ def ref_off_policy(prox, behav, mask):
 
 def ref_opmd(logp, behav, mask, rewards, group, *, tau, length_norm):
     """(loss, d loss / d logp): mean over groups of (1/k) sum_j (r_j - mean r - tau*x_j)^2 with
-    x_j = (S_j - S_j^behav) [/ max(len_j, 1)]; d/d logp_t of row j = 2*res_j*(-tau)/(G*k)[/len_j]."""
+    x_j = (S_j - S_j^behav) [/ max(len_j, 1)]; d/d logp_t of row j = 2*res_j*(-tau)/(G*k)[/len_j].
+    G counts the groups with a response token: one without (a sample the learner left
+    out, alone in its group) has nothing to learn from."""
     B, T = mask.shape
     logp = logp.detach()
     groups: dict[int, list[int]] = {}
     for b in range(B):
         groups.setdefault(int(group[b]), []).append(b)
+    learning = sum(any(resp(mask, j) for j in members) for members in groups.values())
     loss, grad = 0.0, [[0.0] * T for _ in range(B)]
     for members in groups.values():
         k = len(members)
@@ -136,9 +139,9 @@ def ref_opmd(logp, behav, mask, rewards, group, *, tau, length_norm):
             scale = max(len(idx), 1) if length_norm else 1
             x = (sum(float(logp[j, s]) for s in idx) - sum(float(behav[j, s]) for s in idx)) / scale
             res = float(rewards[j]) - r_mean - tau * x
-            loss += res * res / (k * len(groups))
+            loss += res * res / (k * learning)
             for s in idx:
-                grad[j][s] = 2 * res * -tau / (k * len(groups) * scale)
+                grad[j][s] = 2 * res * -tau / (k * learning * scale)
     return t(loss), t(grad)
 
 

@@ -101,3 +101,34 @@ def test_a_multi_turn_response_scores_only_the_policys_tokens_and_places_its_ste
     # has one, its reward at its last policy token.
     assert torch.equal(steps.isnan(), torch.tensor([[1, 1, 0, 1, 1, 0], [1, 1, 0, 1, 1, 1]], dtype=torch.bool))
     assert batch.step_rewards[0, 2] == 0.5 and batch.step_rewards[0, 5] == 1.0 and batch.step_rewards[1, 2] == 0.25
+
+
+def test_unscorable_samples_train_nothing_and_leave_their_groups_statistics():
+    from msgspec.structs import replace
+
+    from async_rl.algorithms.advantages import group_advantages
+
+    scored = group([1], [[2, 3], [4], [5, 6], [7]])
+    scored = replace(scored, rewards=np.array([1.0, 0.0, 1.0, 0.0], np.float32))
+    # The same group with a fifth sample whose reward call failed: its value (the fallback, or
+    # anything) must not move the others' advantages.
+    failed = group([1], [[2, 3], [4], [5, 6], [7], [8, 9]])
+    failed = replace(failed, rewards=np.array([1.0, 0.0, 1.0, 0.0, 1000.0], np.float32),
+                     unscorable=np.array([0, 0, 0, 0, 1], np.uint8))
+    batch = build_batch([failed], pad_id=PAD)
+    assert batch.loss_mask[4].sum() == 0 and batch.loss_mask[:4].sum() == 6
+    adv = group_advantages(batch.rewards, batch.group, method="grpo")
+    expected = group_advantages(build_batch([scored], pad_id=PAD).rewards, torch.zeros(4, dtype=torch.int64),
+                                method="grpo")
+    assert torch.allclose(adv[:4], expected) and adv[4] == 0
+    assert int(batch.group[4]) not in batch.group[:4].tolist()
+
+
+def test_a_group_left_with_one_scorable_sample_is_dropped_whole():
+    from msgspec.structs import replace
+
+    dropped = replace(group([1], [[2], [3], [4]]), unscorable=np.array([1, 0, 1], np.uint8))
+    kept = group([1], [[5], [6]])
+    batch = build_batch([dropped, kept], pad_id=PAD)
+    assert batch.loss_mask[:3].sum() == 0 and batch.loss_mask[3:].sum() == 2
+    assert len(set(batch.group[:3].tolist())) == 3 and batch.group[3:].tolist() == [1, 1]

@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from async_rl.tasks import exact_match, load_reward_fn
+from async_rl.tasks.code_rewards import code_tests, code_tests_all_pass
 from async_rl.tasks.rewards import (
     BUILTIN_REWARDS,
     boxed,
@@ -205,7 +206,8 @@ def test_math_verify_without_the_library_says_what_to_install(monkeypatch):
 
 def test_builtin_rewards_are_the_functions():
     assert BUILTIN_REWARDS == {"exact_match": exact_match, "last_number": last_number, "boxed": boxed,
-                               "gsm8k": gsm8k, "math_verify": math_verify}
+                               "gsm8k": gsm8k, "math_verify": math_verify, "code_tests": code_tests,
+                               "code_tests_all_pass": code_tests_all_pass}
     for name, fn in BUILTIN_REWARDS.items():
         assert load_reward_fn(name) is fn
     assert load_reward_fn(" gsm8k ") is gsm8k
@@ -251,7 +253,8 @@ def test_reward_spec_file(tmp_path, monkeypatch):
     ("ok.py:g", {"ok.py": "def f(p, r, a):\n    return 1\n"}, "'ok.py' has no attribute 'g'"),
     ("ok.py:X", {"ok.py": "X = 3\n"}, "'X' is not callable"),
     ("missing.py:f", {}, "no file missing.py in "),
-    ("last_numbers", {}, "must be a built-in name (exact_match, last_number, boxed, gsm8k, math_verify)"),
+    ("last_numbers", {}, "must be a built-in name (exact_match, last_number, boxed, gsm8k, math_verify, code_tests, "
+                         "code_tests_all_pass)"),
     ("async_rl.tasks.rewards:", {}, "must look like 'module:function'"),
 ])
 def test_bad_reward_specs_are_one_line(tmp_path, monkeypatch, spec, files, needle):

@@ -3,6 +3,7 @@ episode scored by the task's reward (guarded); it travels as a plain response, a
 engine sampled it. Evaluation scores come from the same path; ReMax's greedy baseline
 too, with or without an environment."""
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -15,7 +16,16 @@ from async_rl.tasks.base import EVAL_ID_OFFSET
 from async_rl.tasks.prompt_format import prompt_format_for
 from async_rl.wire import WorkGrant, decode, encode
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "closed_rollouts")
+OPENED: list[Rollout] = []
+
+
+@pytest.fixture
+def closed_rollouts():
+    """Every rollout a test made is closed after it: its reward workers stop."""
+    yield
+    while OPENED:
+        OPENED.pop().close()
 
 
 class Spy(TorchEngine):
@@ -32,6 +42,7 @@ def _setup(model, **config):
     task = task_from_config(cfg.task, cfg.seed)
     rollout = Rollout.from_config(cfg, engine, prompt_format_for(cfg.model.path, cfg.task), task,
                                   torch.Generator().manual_seed(0))
+    OPENED.append(rollout)
     return cfg, engine, task, rollout
 
 
@@ -61,6 +72,36 @@ def test_a_failing_reward_scores_the_fallback_and_is_counted_with_its_group(demo
     [g] = rollout.experience(WorkGrant(groups=[0], prompt_ids=[0]), actor_id=0)
     assert g.rewards.tolist() == [-0.25] * 4 and g.reward_errors == [4, 0, 0, 0] and g.env_errors == [0, 0, 0, 0]
     assert g.first_failure == "reward raised ValueError: no"
+    assert g.unscorable.tolist() == [1, 1, 1, 1]  # reward.on_failure=exclude: the learner leaves them out
+
+
+@pytest.mark.parametrize("executor", ["process", "thread"])
+def test_only_the_failed_samples_are_unscorable_and_fallback_keeps_none(demo_model, tmp_path, executor):
+    rewards = tmp_path / "every_other.py"
+    rewards.write_text("calls = 0\n"
+                       "def score(prompt, response, answer):\n"
+                       "    global calls\n"
+                       "    calls += 1\n"
+                       "    if calls % 2 == 0:\n"
+                       "        raise ValueError('even call')\n"
+                       "    return 1.0\n")
+    for on_failure, flags in (("exclude", [0, 1, 0, 1]), ("fallback", [])):
+        *_, rollout = _setup(demo_model, task={"reward": f"{rewards}:score"},
+                             reward={"executor": executor, "workers": 1, "on_failure": on_failure})
+        [g] = rollout.experience(WorkGrant(groups=[0], prompt_ids=[0]), actor_id=0)
+        assert g.rewards.tolist() == [1.0, 0.0, 1.0, 0.0] and g.reward_errors == [2, 0, 0, 0]
+        assert g.unscorable.tolist() == flags
+
+
+def test_a_reward_past_its_deadline_is_stopped_in_its_worker_and_unscorable(demo_model, tmp_path):
+    rewards = tmp_path / "spin.py"
+    rewards.write_text("def score(prompt, response, answer):\n    while True:\n        pass\n")
+    *_, rollout = _setup(demo_model, task={"reward": f"{rewards}:score"}, reward={"timeout_s": 0.3, "workers": 2})
+    spinning = [w.process.pid for w in rollout.reward_pool.workers]
+    [g] = rollout.experience(WorkGrant(groups=[0], prompt_ids=[0]), actor_id=0)
+    assert g.reward_errors == [0, 4, 0, 0] and g.unscorable.tolist() == [1, 1, 1, 1]
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in spinning)  # killed: no core left busy
 
 
 def test_evaluation_scores_are_the_greedy_responses_rewards(demo_model):
