@@ -19,10 +19,8 @@ from __future__ import annotations
 import ast
 import math
 import operator
-from collections.abc import Callable
 
-from async_rl.actor.environments.base import Turn
-from async_rl.tasks.base import Prompt
+from async_rl.actor.environments.tagged_tool import TaggedTool, first_tagged_call
 
 OPEN, CLOSE = "<calc>", "</calc>"
 MAX_EXPRESSION_CHARS = 200
@@ -81,28 +79,18 @@ def format_value(x: int | float) -> str:
 
 
 def first_call(action: str) -> str | None:
-    """The expression of the turn's first complete `<calc>...</calc>`, found in linear
-    time: when the first opening tag has no closing tag after it, no later one has."""
-    start = action.find(OPEN)
-    if start < 0:
-        return None
-    end = action.find(CLOSE, start + len(OPEN))
-    return None if end < 0 else action[start + len(OPEN):end]
+    """The expression of the turn's first complete `<calc>...</calc>`, in linear time."""
+    return first_tagged_call(action, OPEN, CLOSE)
 
 
-class Calculator:
-    """One episode: answers tool calls; scores the final answer with `score(prompt,
+class Calculator(TaggedTool):
+    """One episode: answers `<calc>` calls; scores the final answer with `score(prompt,
     response, answer)` (the task's reward)."""
 
-    def __init__(self, prompt: Prompt, score: Callable[[str, str, str], float]) -> None:
-        self.prompt, self.score = prompt, score
+    open_tag, close_tag = OPEN, CLOSE
 
-    def step(self, action: str) -> Turn:
-        expression = first_call(action)
-        if expression is None:
-            return Turn(reward=self.score(self.prompt.text, action, self.prompt.answer), done=True)
+    def answer(self, expression: str) -> str:
         try:
-            answer = f"<result>{format_value(evaluate(expression))}</result>"
+            return f"<result>{format_value(evaluate(expression))}</result>"
         except CalculatorError as err:
-            answer = f"<error>{err}</error>"
-        return Turn([{"role": "user", "content": answer}])
+            return f"<error>{err}</error>"

@@ -5,19 +5,24 @@ from functools import partial
 
 from async_rl.actor.environments.base import EnvironmentFactory
 from async_rl.actor.environments.calculator import Calculator
+from async_rl.actor.environments.python_tool import NAME as PYTHON_TOOL
+from async_rl.actor.environments.python_tool import python_tool_factory
 from async_rl.actor.environments.skyrl import PREFIX as SKYRL_PREFIX
 from async_rl.actor.environments.skyrl import skyrl_factory
 from async_rl.tasks.base import load_callable
 
-BUILTIN = ("calculator",)
+BUILTIN = ("calculator", PYTHON_TOOL)
 
 
 def environment_factory(name: str, task, options: dict | None = None, max_turns: int = 4) -> EnvironmentFactory:
     """The factory `env.name` names; `task`: the run's task, whose reward the built-in
-    environments score final answers with; `options` (env.options) and `max_turns` go to
-    skyrl-gym environments. ValueError in one line when it cannot load."""
+    environments score final answers with; `options` (env.options) go to the Python tool
+    and to skyrl-gym environments, `max_turns` to skyrl-gym's. ValueError in one line when
+    it cannot load."""
     if name == "calculator":
         return partial(Calculator, score=task.reward)
+    if name == PYTHON_TOOL:
+        return python_tool_factory(task.reward, options or {})
     if name.startswith(SKYRL_PREFIX):
         return skyrl_factory(name, options or {}, max_turns)
     if ":" not in name:
