@@ -343,7 +343,7 @@ def text_at(acc, step: int) -> str:
 
 # --- the sandbox's tests: sandboxes with short limits, and runs checked for containment ---
 
-SANDBOX_DEADLINE_S = 2.0
+SANDBOX_DEADLINE_S = 1.0
 SANDBOX_LIMITS = SandboxLimits(timeout_s=SANDBOX_DEADLINE_S, cpu_s=5, memory_mb=256)
 
 

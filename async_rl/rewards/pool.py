@@ -91,10 +91,14 @@ class RewardPool:
         """Start the workers and wait until each has built the reward."""
         started = time.monotonic()
         self.workers = [self._spawn() for _ in range(self.processes)]
-        while not all(w.ready for w in self.workers):
-            self._wait(started + self.start_timeout_s)
-            self._check_start()
+        self.wait_ready()
         self.start_seconds = time.monotonic() - started
+
+    def wait_ready(self) -> None:
+        """Wait until every worker (a replacement too) has built the reward."""
+        while not all(w.ready for w in self.workers):
+            self._wait(time.monotonic() + self.start_timeout_s)
+            self._check_start()
 
     def close(self) -> None:
         for worker in self.workers:

@@ -71,7 +71,7 @@ def test_rewards_come_back_in_order_from_several_workers(rewards_file):
         assert pool.restarts == 0
 
 
-@pytest.mark.parametrize("response", ["spin", "sleep"])
+@pytest.mark.parametrize("response", ["spin", pytest.param("sleep", marks=pytest.mark.integration)])
 def test_a_call_past_its_deadline_is_killed_with_its_worker_and_the_core_is_free(rewards_file, response):
     with pool_for(rewards_file, processes=1) as pool:
         worker = psutil.Process(pool.workers[0].process.pid)
@@ -91,6 +91,7 @@ def test_a_reward_may_time_itself_out_with_signal_alarm(rewards_file):
         assert pool.score([Call("p", "r", "a")]) == [1.0]
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 def test_math_verify_scores_in_a_worker():
     pytest.importorskip("math_verify")
     with RewardPool({"name": "jsonl", "train_path": "unused.jsonl", "reward": "math_verify"}, 0, processes=1,

@@ -79,6 +79,7 @@ def test_an_exception_at_the_top_is_reported_and_the_tests_still_run(sandbox):
     assert broken.first_failure.startswith("the code raised RuntimeError: no before the tests; assert add(1, 2) == 3:")
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 def test_a_test_that_hangs_keeps_the_results_before_it(sandbox):
     code = ADD + "def spin():\n    while True:\n        pass\n"
     tests = ["assert add(1, 2) == 3", "assert spin()", "assert add(2, 2) == 4"]

@@ -134,6 +134,7 @@ def test_a_4xx_answer_is_not_retried(service):
     assert "HTTP 400" in result.stderr
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 def test_a_timeout_is_never_retried(service):
     server, url = service
     started = time.monotonic()

@@ -68,6 +68,7 @@ def test_the_environment_is_scrubbed(sandbox, contained, monkeypatch):
     assert environment["HOME"] == environment["TMPDIR"]
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 def test_the_concurrency_cap_is_respected(contained):
     sandbox = LocalSandbox(SandboxLimits(timeout_s=5), max_concurrency=2)
     code = "import time\nstart = time.time()\ntime.sleep(0.4)\nprint(start, time.time())"
@@ -90,17 +91,20 @@ def test_the_concurrency_cap_is_respected(contained):
 # Hostile programs: each must be contained (the `contained` fixture checks the deadline,
 # and that no process or thread is left) and say why it ended.
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 def test_an_endless_loop_times_out(sandbox, contained):
     result = contained(sandbox, "while True:\n    pass")
     assert (result.status, result.exit_code) == ("timeout", None)
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 def test_the_cpu_limit_kills(contained):
     sandbox = LocalSandbox(SandboxLimits(timeout_s=8, cpu_s=1))  # the wall clock only as a backstop
     result = contained(sandbox, "while True:\n    pass")
     assert (result.status, result.exit_code) == ("killed", -signal.SIGXCPU)
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 @pytest.mark.parametrize("fixture", BOTH)
 def test_sleeping_for_ever_times_out(fixture, request, contained):
     result = contained(request.getfixturevalue(fixture), "import time\nprint('going to sleep', flush=True)\n"
@@ -108,6 +112,7 @@ def test_sleeping_for_ever_times_out(fixture, request, contained):
     assert (result.status, result.stdout) == ("timeout", "going to sleep\n")
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 @pytest.mark.parametrize("fixture", BOTH)
 def test_os_system_sleep_is_killed_at_the_deadline(fixture, request, contained):
     result = contained(request.getfixturevalue(fixture), "import os\nos.system('sleep 1000')")
@@ -130,6 +135,7 @@ print('parent exits')
     assert (result.status, result.stdout) == ("ok", "parent exits\n")
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 @pytest.mark.parametrize("fixture", BOTH)
 def test_killing_its_parent_leaves_nothing_running(fixture, request, contained):
     code = """import os, time
@@ -149,6 +155,7 @@ time.sleep(1000)
         assert result.stdout == "could not kill the parent: PermissionError\n"
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 def test_a_fork_bomb_is_contained(sandbox, contained):
     if not sandbox.isolation.namespaces and os.geteuid() == 0:
         pytest.skip("RLIMIT_NPROC does not bind root: without namespaces a fork bomb would run as root")

@@ -57,6 +57,7 @@ def test_malformed_tests_raise_one_line_whatever_the_response(tests, needle):
         assert "\n" not in str(raised.value) and str(raised.value).startswith("code_tests: ")
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 def test_code_that_spins_forever_in_one_test_keeps_the_tests_before_it():
     spins = fenced("def add(a, b):\n    if a == 2:\n        while True:\n            pass\n    return a + b\n")
     started = time.monotonic()
@@ -64,6 +65,7 @@ def test_code_that_spins_forever_in_one_test_keeps_the_tests_before_it():
     assert time.monotonic() - started < LIMITS.timeout_s + 1
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 def test_code_that_waits_on_a_child_process_ends_at_the_deadline():
     sleeps = fenced('import os\nos.system("sleep 100")\n\ndef add(a, b):\n    return a + b\n')
     started = time.monotonic()

@@ -75,6 +75,7 @@ def test_a_failure_answers_the_stdout_so_far_and_the_errors_last_line():
     assert answer(env, "<python>import sys; sys.exit(3)</python>") == "<output>exit status 3</output>"
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 def test_an_endless_loop_times_out_by_the_deadline_and_the_episode_goes_on():
     env = make_tool()
     started = time.monotonic()
@@ -93,6 +94,7 @@ def test_long_output_is_cut_with_a_marker():
     assert long_error.startswith("<output>ValueError: zzz") and len(long_error) < 250
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 def test_a_shell_command_that_sleeps_is_killed_at_the_deadline():
     env = make_tool()
     started = time.monotonic()

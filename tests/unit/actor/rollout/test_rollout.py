@@ -93,6 +93,7 @@ def test_only_the_failed_samples_are_unscorable_and_fallback_keeps_none(demo_mod
         assert g.unscorable.tolist() == flags
 
 
+@pytest.mark.integration  # waits out a real process's deadline: the integration tier
 def test_a_reward_past_its_deadline_is_stopped_in_its_worker_and_unscorable(demo_model, tmp_path):
     rewards = tmp_path / "spin.py"
     rewards.write_text("def score(prompt, response, answer):\n    while True:\n        pass\n")

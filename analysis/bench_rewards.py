@@ -1,0 +1,166 @@
+"""What running rewards out of the actor's thread costs, measured in one run.
+
+    python analysis/bench_rewards.py [--calls 4096] [--reps 5] [--workers 2] [--sandbox-runs 10]
+                                     [--demo-runs 0] [--out runs/bench-rewards]
+
+- start: a RewardPool of --workers processes from nothing until every worker has
+  built the task's reward (the demo's exact_match); their resident memory.
+- per call: --calls calls of exact_match (the demo's reward, microseconds of work), as
+  an actor makes them: one batch through the process pool, and one batch through the
+  thread guard (actor/guard.py), repetitions alternated; medians (min-max) per call.
+- past the deadline: a reward that spins; the seconds from its deadline until its
+  worker's process is gone (the core is free), and until the pool answers.
+- the sandbox: --sandbox-runs runs of a trivial program in LocalSandbox (isolated where
+  this machine allows), and of `python -I -c pass` as the floor.
+- --demo-runs N: N runs of `async-rl train configs/demo.yaml` each with
+  reward.executor=thread and =process, alternated; samples/s of each (the summary line).
+Prints one JSON line per measurement and a table; nothing is written unless --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+from async_rl.actor.guard import Call as GuardedCall
+from async_rl.actor.guard import Calls, Guard
+from async_rl.rewards.outcome import as_reward
+from async_rl.rewards.pool import Call, RewardPool
+from async_rl.tasks.arithmetic import exact_match
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_TASK = {"name": "arithmetic"}
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def pool_start(workers: int, reps: int) -> dict:
+    seconds, rss = [], []
+    for _ in range(reps):
+        pool = RewardPool(DEMO_TASK, 0, processes=workers, timeout_s=10)
+        started = time.perf_counter()
+        pool.start()
+        seconds.append(time.perf_counter() - started)
+        rss.append(statistics.mean(psutil.Process(w.process.pid).memory_info().rss for w in pool.workers) / 2**20)
+        pool.close()
+    return {"what": "start", "workers": workers, "seconds": spread(seconds), "rss_mb_per_worker": spread(rss)}
+
+
+def per_call(calls: int, reps: int, workers: int) -> dict:
+    batch = [Call("37+45=", str(82 + i % 2), "82") for i in range(calls)]
+    guard = Guard("exact_match", timeout_s=10)
+    process_us, thread_us = [], []
+    with RewardPool(DEMO_TASK, 0, processes=workers, timeout_s=10) as pool:
+        pool.score(batch[:64])  # warm
+        for rep in range(reps):
+            for mode in (("process", "thread") if rep % 2 == 0 else ("thread", "process")):
+                started = time.perf_counter()
+                if mode == "process":
+                    outcomes = pool.score(batch)
+                else:
+                    guarded = Calls()
+                    guarded.submit([GuardedCall(i, guard, exact_match, (c.prompt, c.response, c.answer), as_reward)
+                                    for i, c in enumerate(batch)])
+                    outcomes = guarded.wait_all()
+                elapsed = (time.perf_counter() - started) / calls * 1e6
+                (process_us if mode == "process" else thread_us).append(elapsed)
+                assert len(outcomes) == calls
+    return {"what": "per_call_us", "calls": calls, "process": spread(process_us), "thread": spread(thread_us),
+            "ratio_process_over_thread": statistics.median(process_us) / statistics.median(thread_us)}
+
+
+def past_deadline(reps: int, timeout_s: float = 0.5) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "spin.py"
+        path.write_text(textwrap.dedent("""
+            def spin(prompt, response, answer):
+                while True:
+                    pass
+        """))
+        freed, answered = [], []
+        with RewardPool({"name": "jsonl", "train_path": "unused", "reward": f"{path}:spin"}, 0, processes=1,
+                        timeout_s=timeout_s) as pool:
+            for _ in range(reps):
+                worker = psutil.Process(pool.workers[0].process.pid)
+                started = time.perf_counter()
+                [outcome] = pool.score([Call("p", "r", "a")])
+                answered.append(time.perf_counter() - started - timeout_s)
+                assert outcome.reason == "timeout"
+                while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:
+                    time.sleep(0.001)
+                freed.append(time.perf_counter() - started - timeout_s)
+                pool.wait_ready()  # the replacement, before the next round
+    return {"what": "past_deadline_s", "timeout_s": timeout_s, "answered_after_deadline": spread(answered),
+            "core_free_after_deadline": spread(freed)}
+
+
+def sandbox(runs: int) -> dict:
+    from async_rl.sandbox import LocalSandbox
+
+    box = LocalSandbox(max_concurrency=1)
+    sandboxed, floor = [], []
+    for _ in range(runs):
+        started = time.perf_counter()
+        result = box.run("print(1)")
+        sandboxed.append(time.perf_counter() - started)
+        assert result.ok and result.stdout.strip() == "1", result
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-I", "-c", "pass"], check=True)
+        floor.append(time.perf_counter() - started)
+    return {"what": "sandbox_run_ms", "isolation": box.isolation.label,
+            "sandbox": spread([s * 1e3 for s in sandboxed]), "bare_python": spread([s * 1e3 for s in floor])}
+
+
+def demo(runs: int, out: Path) -> dict:
+    rates: dict[str, list[float]] = {"thread": [], "process": []}
+    for rep in range(runs):
+        for executor in (("thread", "process") if rep % 2 == 0 else ("process", "thread")):
+            run_dir = out / f"demo-{executor}-{rep}"
+            done = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"),
+                                   f"run_dir={run_dir}", f"reward.executor={executor}"], capture_output=True,
+                                  text=True, timeout=1800)
+            if done.returncode:
+                raise SystemExit(f"demo run {run_dir} failed: {done.stderr[-2000:]}")
+            lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            last = [s for s in lines if "train/samples" in s][-1]  # samples so far, at its time
+            rates[executor].append(last["train/samples"] / last["time"])
+    return {"what": "demo_samples_per_s", "thread": spread(rates["thread"]), "process": spread(rates["process"]),
+            "ratio_process_over_thread": statistics.median(rates["process"]) / statistics.median(rates["thread"])}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--sandbox-runs", type=int, default=10)
+    parser.add_argument("--demo-runs", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    results = [pool_start(args.workers, args.reps), per_call(args.calls, args.reps, args.workers),
+               past_deadline(args.reps), sandbox(args.sandbox_runs)]
+    if args.demo_runs:
+        out = args.out or Path(tempfile.mkdtemp(prefix="bench-rewards-"))
+        results.append(demo(args.demo_runs, out))
+    load = os.getloadavg()[0]
+    for row in results:
+        print(json.dumps({**row, "load_1min": round(load, 2)}), flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
