@@ -11,7 +11,7 @@ import zmq
 
 from async_rl.run.directory import RunDir
 from async_rl.sandbox import LocalSandbox, SandboxLimits
-from async_rl.sandbox.local import RUN_TAG
+from async_rl.sandbox.local import tagged_processes
 from async_rl.wire import RejectCounter, WireLimits, recv, send
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -345,22 +345,6 @@ def text_at(acc, step: int) -> str:
 
 SANDBOX_DEADLINE_S = 1.0
 SANDBOX_LIMITS = SandboxLimits(timeout_s=SANDBOX_DEADLINE_S, cpu_s=5, memory_mb=256)
-
-
-def tagged_processes(run_id: str) -> list[int]:
-    """Live processes of the run `run_id`: every process of a run carries its tag in its
-    environment (zombies have none and are no longer running)."""
-    needle = f"{RUN_TAG}={run_id}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        found.append(int(entry))
-            except OSError:
-                continue
-    return found
 
 
 @pytest.fixture(scope="session")

@@ -278,18 +278,25 @@ def _group_members(pgid: int) -> int:
     return count
 
 
-def _kill_tagged(run_id: str) -> None:
+def tagged_processes(run_id: str) -> list[int]:
+    """Live processes of the run `run_id`: every process of a run carries its tag in its
+    environment (zombies have none and are no longer running)."""
     needle = f"{RUN_TAG}={run_id}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def _kill_tagged(run_id: str) -> None:
     for _ in range(100):
-        found = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/environ", "rb") as f:
-                        if needle in f.read().split(b"\0"):
-                            found.append(int(entry))
-                except OSError:
-                    continue
+        found = tagged_processes(run_id)
         if not found:
             return
         for pid in found:
