@@ -92,10 +92,13 @@ def build_root(config: dict, root: str) -> None:
         elif os.path.isdir(source):
             os.mkdir(target)
             bind(source, target)
-    for path in config["expose"]:  # the interpreter, where it lives outside the system directories
-        target = root + path
-        os.makedirs(target, exist_ok=True)
-        bind(path, target)
+    # The interpreter, where it lives outside the system directories; one under /tmp (a
+    # virtual environment there) goes in after the private /tmp is mounted over it.
+    under_tmp = [path for path in config["expose"] if path == "/tmp" or path.startswith("/tmp/")]
+    for path in config["expose"]:
+        if path not in under_tmp:
+            os.makedirs(root + path, exist_ok=True)
+            bind(path, root + path)
     dev = os.path.join(root, "dev")
     os.mkdir(dev)
     mount("tmpfs", dev, "tmpfs", MS_NOSUID, "size=64k,mode=755")
@@ -106,12 +109,16 @@ def build_root(config: dict, root: str) -> None:
     for name, target in DEVICE_LINKS.items():
         os.symlink(target, os.path.join(dev, name))
     for name in ("proc", "tmp", "dev/shm"):
-        os.mkdir(os.path.join(root, name))
+        os.makedirs(os.path.join(root, name), exist_ok=True)
     read_only(root)
     mount("proc", os.path.join(root, "proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     tmp = os.path.join(root, "tmp")
     mount("tmpfs", tmp, "tmpfs", MS_NOSUID | MS_NODEV, f"size={config['disk_mb']}m,mode=1777")
     mount(tmp, os.path.join(dev, "shm"), None, MS_BIND)
+    for path in under_tmp:
+        os.makedirs(root + path, exist_ok=True)
+        bind(path, root + path)
+        read_only(root + path)
 
 
 def fill_run_dir(config: dict, files: dict[str, bytes]) -> None:

@@ -323,3 +323,24 @@ def _wait_until(condition, timeout_s: float) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_an_interpreter_in_a_virtual_environment_under_tmp_is_isolated_too(sandbox, tmp_path):
+    """A venv under /tmp (as CI makes one) lies where the run's private /tmp is mounted:
+    it is bound in after that mount, read-only, and the run is still isolated."""
+    if not sandbox.isolation.namespaces:
+        pytest.skip(f"needs namespaces, and here: {sandbox.isolation.label}")
+    assert str(tmp_path).startswith(tempfile.gettempdir())
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True,
+                   timeout=60)
+    script = ("from async_rl.sandbox import LocalSandbox\n"
+              "box = LocalSandbox()\n"
+              "result = box.run('import sys\\nprint(sys.prefix)\\nopen(sys.prefix + \"/x\", \"w\")')\n"
+              "print(box.isolation.label)\nprint(result.stdout.strip())\nprint(result.stderr.strip().splitlines()[-1])")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True, text=True, timeout=60,
+                         env=env)
+    label, prefix, error = out.stdout.strip().splitlines()
+    assert label == "namespaces+nobody" and prefix == str(venv)
+    assert "Read-only file system" in error or "Permission denied" in error  # bound read-only
