@@ -178,24 +178,35 @@ class RewardPool:
             while todo and len(batch) < size:
                 i = todo.popleft()
                 call = calls[i]
-                message = {"id": i, "prompt": call.prompt, "response": call.response, "answer": call.answer,
-                           "fields": call.fields}
-                try:
-                    frames.encode(message)
-                except (NotImplementedError, TypeError, OverflowError) as err:
-                    outcomes[i] = Failed("raised", f"its row's fields cannot reach a reward worker: {err}")
-                    continue
-                batch.append(message)
-            if not batch:
+                batch.append({"id": i, "prompt": call.prompt, "response": call.response, "answer": call.answer,
+                              "fields": call.fields})
+            frame = self._frame(batch, outcomes)
+            if frame is None:
                 continue
             try:
-                frames.write(worker.to_worker, frames.encode({"calls": batch}))
+                frames.write(worker.to_worker, frame)
             except BrokenPipeError:  # it died idle: its replacement takes the calls
                 todo.extendleft(reversed([m["id"] for m in batch]))
                 self._replace(worker)
                 continue
             worker.queue.extend(m["id"] for m in batch)
             worker.deadline = time.monotonic() + self.timeout_s
+
+    @staticmethod
+    def _frame(batch: list[dict], outcomes: list) -> bytes | None:
+        """`batch` as one frame; a call whose row fields MessagePack cannot hold fails
+        alone, and leaves the batch (None when none is left)."""
+        try:
+            return frames.encode({"calls": batch})
+        except (NotImplementedError, TypeError, OverflowError):
+            pass
+        for message in list(batch):  # rare: find the calls that cannot travel
+            try:
+                frames.encode(message)
+            except (NotImplementedError, TypeError, OverflowError) as err:
+                outcomes[message["id"]] = Failed("raised", f"its row's fields cannot reach a reward worker: {err}")
+                batch.remove(message)
+        return frames.encode({"calls": batch}) if batch else None
 
     def _take_answers(self, worker: _Worker, outcomes: list, todo: deque) -> None:
         if not worker.ready:

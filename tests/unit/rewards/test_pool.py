@@ -114,8 +114,10 @@ def test_failures_come_back_named_and_the_pool_goes_on(rewards_file):
 def test_row_fields_travel_as_data(rewards_file):
     with pool_for(rewards_file, processes=1) as pool:
         assert pool.score([Call("p", "fields", "", {"weights": np.array([1, 2]), "bonus": np.float32(0.5)})]) == [3.5]
-        failed, = pool.score([Call("p", "fields", "", {"weights": object()})])
+        good = Call("p", "fields", "", {"weights": [1], "bonus": 1})
+        first, failed, last = pool.score([good, Call("p", "fields", "", {"weights": object()}), good])
         assert failed.reason == "raised" and "cannot reach a reward worker" in str(failed)
+        assert first == last == 2.0  # the others of its batch still travel
 
 
 def test_a_reward_that_cannot_be_imported_fails_the_start_in_one_line(tmp_path):
