@@ -37,7 +37,7 @@ from functools import partial
 
 from async_rl.actor.environments.base import EnvironmentFactory
 from async_rl.actor.environments.tagged_tool import TaggedTool
-from async_rl.sandbox import Execution, LocalSandbox, Sandbox, SandboxLimits
+from async_rl.sandbox import Execution, LocalSandbox, Sandbox, SandboxLimits, extract_code
 from async_rl.tasks.base import Prompt
 
 NAME = "python"
@@ -45,7 +45,6 @@ OPEN, CLOSE = "<python>", "</python>"
 MAX_CONCURRENCY = 2
 TRUNCATED = "...[truncated]"
 MAX_REASON_CHARS = 200  # an exception's message can be as long as the data it shows
-FENCE = "```"
 
 
 @dataclass(frozen=True)
@@ -104,12 +103,10 @@ class PythonTool(TaggedTool):
 
 
 def program(code: str) -> str:
-    """The program of a call: dedented, without a markdown fence around it."""
-    text = textwrap.dedent(code).strip()
-    lines = text.splitlines()
-    if len(lines) >= 2 and lines[0].startswith(FENCE) and lines[-1].strip() == FENCE:
-        text = textwrap.dedent("\n".join(lines[1:-1])).strip()
-    return text + "\n"
+    """The program of a call: its fenced block if it wrote one (as code rewards read a
+    response), dedented."""
+    fenced = extract_code(code)
+    return textwrap.dedent(code if fenced is None else fenced).strip() + "\n"
 
 
 def shown_output(execution: Execution, options: PythonToolOptions) -> str:
