@@ -26,7 +26,8 @@ from async_rl.wire import (
 )
 
 LIMITS = WireLimits()
-TRUNCATED_AND_AFTER = ("truncated", "policy_mask", "step_ends", "step_rewards", "unscorable")
+TRUNCATED_AND_AFTER = ("truncated", "policy_mask", "step_ends", "step_rewards", "unscorable", "components",
+                       "component_ms", "component_failures")
 TIMEOUT_MS = 30_000  # a send or receive on a local socket: at once, but a loaded machine may take its time
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from async_rl.config.section import Section, choice
 
@@ -42,10 +42,27 @@ class ActorsConfig(Section):
     connect_timeout_s: float = Field(60.0, gt=0.0, description="How long an actor retries a hub that does not answer.")
 
 
+class RewardComponentConfig(Section):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="The component's name in metrics (reward/<name>/mean, ...).")
+    reward: str = Field(description="`task` (the task's own reward), a built-in, `module:function` or `file.py:function`: f(prompt, response, answer, ...).")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Its weight in the sample's reward; 0 = scored and logged, not trained on.")
+
+
 class RewardConfig(Section):
     executor: Literal["process", "thread"] = Field("process", description="Where the task's reward runs: `process`, workers killed at a call's deadline; `thread`, in the actor (no start-up; a call past its deadline may keep a core busy).")
     workers: int = Field(2, ge=1, le=256, description="Reward worker processes per actor (reward.executor=process).")
+    in_flight: int = Field(2, ge=0, le=64, description="Grants whose samples may wait for their rewards while the actor generates more (scored in a thread of their own); 0 scores each grant before the next.")
     timeout_s: float = Field(10.0, gt=0.0, description="A reward call running longer is stopped and fails as `timeout`.")
     on_failure: Literal["exclude", "fallback"] = Field("exclude", description="A sample whose reward or environment failed: `exclude` leaves it out of its group and the loss (a group left with < 2 is dropped); `fallback` trains on reward.fallback.")
     fallback: float = Field(0.0, allow_inf_nan=False, description="The reward a failed call scores: in evaluations, and in training with reward.on_failure=fallback.")
+    components: list[RewardComponentConfig] = Field(default_factory=list, max_length=16, description="Reward sources summed with weights (each timed and logged on its own); empty = the task's reward alone.")
     max_error_frac: float = Field(0.5, ge=0.0, le=1.0, description="A step with a larger share of failed reward or environment calls stops the run (exit 4).")
+
+    @model_validator(mode="after")
+    def _components_named_once(self) -> RewardConfig:
+        names = [c.name for c in self.components]
+        if len(set(names)) < len(names):
+            raise ValueError(f"reward.components: names must differ, got {names}")
+        if self.components and all(c.weight == 0.0 for c in self.components):
+            raise ValueError("reward.components: at least one component needs a weight other than 0")
+        return self

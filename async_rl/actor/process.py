@@ -24,6 +24,7 @@ from async_rl.actor.engines import make_engine
 from async_rl.actor.engines.vllm_engine import VLLMConfigError
 from async_rl.actor.hub_client import ConnectError, HubClient, register
 from async_rl.actor.rollout.rollout import Rollout
+from async_rl.actor.scoring import Scorer
 from async_rl.actor.sync import InFlight, LeaveNow, Syncer
 from async_rl.config import from_yaml
 from async_rl.device import collective_backend, resolve_device
@@ -108,7 +109,7 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
     beat = threading.Thread(target=_heartbeat_loop, daemon=True,
                             args=(ctx, hub_addr, keys_dir, state, spans, stop, cfg.actors.heartbeat_s))
     beat.start()
-    push = rollout = None
+    push = rollout = scorer = None
     try:
         quiet_libraries()
         torch.set_num_threads(cfg.actors.threads)
@@ -147,6 +148,7 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         push.setsockopt(zmq.SNDTIMEO, int(cfg.transport.timeout_s * 1000))
         push.connect(welcome.experience_addr)
         syncer = Syncer(hub, receiver, engine, state, spans)
+        scorer = Scorer(rollout, push, state, spans, cfg.reward.in_flight)
         if cfg.sync.in_flight:
             engine.step_hook = InFlight(syncer, timeout_s=cfg.transport.timeout_s, poll_s=cfg.sync.in_flight_poll_s)
         log.info("actor %d ready (%s) on %s", actor_id, name, device)
@@ -167,6 +169,7 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
                 continue
             waiting.done()
             if isinstance(reply, Goodbye) and reply.rejoin:
+                scorer.drop_pending()
                 actor_id = _register_again(hub, name, state)
                 continue
             if isinstance(reply, Goodbye):
@@ -181,21 +184,19 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
                     return leave.code
             elif isinstance(reply, EvalGrant):
                 with spans.span("eval", groups=len(reply.prompt_ids)):
-                    push.send_multipart(evaluate_chunk(rollout, reply, actor_id, cfg.eval.threads), copy=False)
+                    scorer.send(evaluate_chunk(rollout, reply, actor_id, cfg.eval.threads))
             elif isinstance(reply, WorkGrant):
                 try:
-                    messages = [encode(group) for group in rollout.experience(reply, actor_id, spans)]
+                    generated = rollout.generate(reply, actor_id, spans)
                 except LeaveNow as leave:  # only from the in-flight hook, in the middle of generation
                     if leave.rejoin:  # the grant was re-issued when the hub removed us: drop the batch
+                        scorer.drop_pending()
                         actor_id = _register_again(hub, name, state)
                         continue
                     log.log(logging.INFO if leave.code == 0 else logging.ERROR, "actor %d leaving: %s", actor_id,
                             leave.why)
                     return leave.code
-                with spans.span("push", groups=len(messages)):
-                    for msg in messages:
-                        push.send_multipart(msg, copy=False)
-                        state["generated"] += 1
+                scorer.score(generated)
     finally:
         # The heartbeat thread stops first, so that no heartbeat reaches the hub after the
         # goodbye (it would count as a message from an unknown actor; late spans do not).
@@ -207,6 +208,8 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             send(hub.sock, Goodbye(reason="leaving", actor_id=actor_id), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+        if scorer is not None:  # before the socket it pushes on and the reward's workers go
+            scorer.close(wait_s=cfg.reward.timeout_s + 5)
         if push is not None:
             push.close()
         if rollout is not None:

@@ -61,7 +61,8 @@ def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float,
         "actors/gen_seconds_per_group": gen_seconds / len(groups),
         "actors/gen_tokens_per_s": float(lengths.sum()) / max(gen_seconds, 1e-9),
         **version_mix(groups, learner_version),  # in-flight updates: actors/mixed_version_frac, ...
-        "reward/error_frac": errors.frac}
+        "reward/error_frac": errors.frac,
+        **component_metrics(cfg.reward.components, groups)}
     if any(len(g.policy_mask) for g in groups):  # multi-turn episodes
         turns = policy_turns(groups)
         metrics.update({"env/turns_mean": float(turns.mean()), "env/turns_max": float(turns.max()),
@@ -77,6 +78,31 @@ def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float,
         dumped = sample_records(groups, prompt_format, learner_version + 1, cfg.metrics.samples_per_dump)
     return StepData(metrics, samples=len(lengths), gen_tokens=float(lengths.sum()), waited=waited,
                     errors=errors, histograms=batch_histograms(groups, staleness), texts=texts, dumped=dumped)
+
+
+def component_metrics(components, groups) -> dict[str, float]:
+    """Per reward.components entry, over the step's samples: its mean and latency p50/p95
+    (where it scored), the share of failed calls and their count per reason, and the share
+    of samples it left unscorable (its failures, when it carries weight)."""
+    carried = [g for g in groups if g.components.shape[1:] == (len(components),)]
+    if not components or not carried:
+        return {}
+    values, ms = np.concatenate([g.components for g in carried]), np.concatenate([g.component_ms for g in carried])
+    codes = np.concatenate([g.component_failures for g in carried])
+    out: dict[str, float] = {}
+    for i, component in enumerate(components):
+        key, failed = f"reward/{component.name}", codes[:, i] > 0
+        timed = ms[~failed, i]
+        if (~failed).any():
+            out[f"{key}/mean"] = float(values[~failed, i].mean())
+        if timed.size:
+            p50, p95 = np.percentile(timed, [50, 95])
+            out[f"{key}/latency_p50_ms"], out[f"{key}/latency_p95_ms"] = float(p50), float(p95)
+        out[f"{key}/error_frac"] = float(failed.mean())
+        out[f"{key}/unscorable_frac"] = float(failed.mean()) if component.weight != 0.0 else 0.0
+        for code in np.unique(codes[failed, i]):
+            out[f"{key}/errors_{FAILURE_REASONS[int(code) - 1]}"] = int((codes[:, i] == code).sum())
+    return out
 
 
 def policy_turns(groups) -> np.ndarray:

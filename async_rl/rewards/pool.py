@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from async_rl.rewards import frames
+from async_rl.rewards.components import ComponentScores
 from async_rl.rewards.outcome import Failed
 
 log = logging.getLogger("async_rl.reward")
@@ -80,8 +81,11 @@ class RewardPool:
     config holds it) with `seed`, each call given `timeout_s`."""
 
     def __init__(self, task: dict, seed: int, *, processes: int, timeout_s: float, chunk: int = 64,
-                 start_timeout_s: float = 120.0) -> None:
-        self.hello = frames.encode({"task": task, "seed": seed})
+                 start_timeout_s: float = 120.0, components: list[dict] | None = None) -> None:
+        """`components`: reward.components as dicts; each call then answers a ComponentScores."""
+        self.hello = frames.encode({"task": task, "seed": seed, "components": components or []})
+        self.component_names = [c["name"] for c in components or []]
+        self.component_weights = [float(c["weight"]) for c in components or []]
         self.processes, self.timeout_s, self.chunk, self.start_timeout_s = processes, timeout_s, chunk, start_timeout_s
         self.workers: list[_Worker] = []
         self.restarts = 0
@@ -112,8 +116,8 @@ class RewardPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def score(self, calls: list[Call]) -> list[float | Failed]:
-        """Each call's reward, or its failure, in order."""
+    def score(self, calls: list[Call]) -> list[float | Failed | ComponentScores]:
+        """Each call's reward (its components' scores, with `components`), or its failure, in order."""
         outcomes: list[float | Failed | None] = [None] * len(calls)
         todo = deque(range(len(calls)))
         while True:
@@ -223,7 +227,9 @@ class RewardPool:
                 todo.extendleft(reversed(worker.queue))
             self._replace(worker)
 
-    def _outcome(self, answer: dict) -> float | Failed:
+    def _outcome(self, answer: dict) -> float | Failed | ComponentScores:
+        if self.component_names and "components" in answer:
+            return ComponentScores.from_reply(answer, self.component_names, self.component_weights)
         if "value" in answer and isinstance(answer["value"], float) and math.isfinite(answer["value"]):
             return answer["value"]
         reason = answer.get("failure") if answer.get("failure") in ("raised", "timeout", "non_finite",

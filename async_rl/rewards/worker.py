@@ -16,6 +16,7 @@ import time
 import traceback
 
 from async_rl.rewards import frames
+from async_rl.rewards.components import ComponentScores
 from async_rl.rewards.outcome import Failed, as_reward, failure_note
 
 _PR_SET_PDEATHSIG = 1
@@ -32,17 +33,21 @@ def _die_with_parent() -> None:
 def _build(hello: dict):
     from pydantic import TypeAdapter
 
+    from async_rl.rewards.components import components_from_config
     from async_rl.tasks import reward_from_config
     from async_rl.tasks.config import TaskConfig
 
-    return reward_from_config(TypeAdapter(TaskConfig).validate_python(hello["task"]), int(hello["seed"]))
+    reward = reward_from_config(TypeAdapter(TaskConfig).validate_python(hello["task"]), int(hello["seed"]))
+    if hello.get("components"):
+        return components_from_config(hello["components"], reward)
+    return reward
 
 
 def _score(reward, request: dict) -> dict:
     start = time.perf_counter()
     try:
-        value = as_reward(reward(request["prompt"], request["response"], request["answer"], **request["fields"]))
-        reply: dict = {"value": value}
+        value = reward(request["prompt"], request["response"], request["answer"], **request["fields"])
+        reply: dict = value.reply() if isinstance(value, ComponentScores) else {"value": as_reward(value)}
     except Failed as failure:
         reply = {"failure": failure.reason, "note": failure_note(failure)}
     except Exception as err:

@@ -37,7 +37,7 @@ import numpy as np
 log = logging.getLogger("async_rl.run.tracing")
 
 # Span names, per role.
-ACTOR_SPANS = frozenset({"generate", "score", "push", "wait-for-admission", "sync", "eval"})
+ACTOR_SPANS = frozenset({"generate", "score", "push", "wait-for-admission", "wait-for-rewards", "sync", "eval"})
 LEARNER_SPANS = frozenset({"wait-for-data", "train-step", "sync", "eval", "checkpoint", "export"})
 # The numeric args an actor's span may carry on the wire (-1 = not set): prompt groups,
 # generated tokens, weight version.

@@ -67,6 +67,18 @@ for _i, _test in enumerate(_TESTS):
 '''
 
 
+class SandboxUnavailable(RuntimeError):
+    """The sandbox could not run the code (Execution status `unavailable`): the tests say
+    nothing about it, so the call fails rather than scoring 0."""
+
+
+def _ran(execution: Execution) -> Execution:
+    if execution.status == "unavailable":
+        raise SandboxUnavailable(execution.stderr.strip().splitlines()[-1] if execution.stderr.strip()
+                                 else "the sandbox could not run the code")
+    return execution
+
+
 @dataclass(frozen=True)
 class TestResult:
     """How many of `total` tests passed; `first_failure` says why the first one that did
@@ -104,7 +116,8 @@ def extract_code(response: str) -> str | None:
 def score_code(code: str, tests: Sequence[str] | Sequence[Mapping[str, str]], sandbox: Sandbox,
                timeout_s: float | None = None) -> TestResult:
     """Runs `code` against `tests` (assert lines, or stdin/stdout cases) in `sandbox`;
-    `timeout_s` bounds each run (the sandbox's own limit by default)."""
+    `timeout_s` bounds each run (the sandbox's own limit by default). SandboxUnavailable
+    when the sandbox could not run it."""
     if not tests or isinstance(tests, (str, bytes)):
         raise ValueError("tests: expected a non-empty list of assert lines or of {'input', 'output'} cases")
     if all(isinstance(test, str) for test in tests):
@@ -128,7 +141,7 @@ def _score_asserts(code: str, tests: list[str], sandbox: Sandbox, timeout_s: flo
     nonce = secrets.token_hex(16)
     program = (HARNESS.replace("__NONCE__", repr(nonce)).replace("__TESTS__", repr(tests))
                .replace("__CHARS__", str(MESSAGE_CHARS)))
-    execution = sandbox.run(program, files={"solution.py": code}, timeout_s=timeout_s)
+    execution = _ran(sandbox.run(program, files={"solution.py": code}, timeout_s=timeout_s))
     setup_error, errors = None, {}
     prefix = nonce + " "
     for line in execution.stdout.splitlines():
@@ -161,7 +174,7 @@ def _score_asserts(code: str, tests: list[str], sandbox: Sandbox, timeout_s: flo
 def _score_cases(code: str, cases: list[Mapping[str, str]], sandbox: Sandbox, timeout_s: float | None) -> TestResult:
     passed, failure, deciding = 0, "", None
     for index, case in enumerate(cases):
-        execution = sandbox.run(code, stdin=case["input"], timeout_s=timeout_s)
+        execution = _ran(sandbox.run(code, stdin=case["input"], timeout_s=timeout_s))
         expected, got = _normalized(case["output"]), _normalized(execution.stdout)
         if execution.ok and got == expected:
             passed += 1

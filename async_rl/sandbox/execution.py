@@ -4,10 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-# ok: exit status 0; error: a non-zero exit status, or the run could not be made;
+# ok: exit status 0; error: a non-zero exit status;
 # timeout: the wall-clock limit; killed: ended by a signal (CPU or memory limit, ...);
-# output_limit: stdout and stderr grew beyond the cap, and the run was stopped.
-STATUSES = ("ok", "error", "timeout", "killed", "output_limit")
+# output_limit: stdout and stderr grew beyond the cap, and the run was stopped;
+# unavailable: the sandbox could not run the code at all (its setup failed, a remote
+# service unreachable or failing after its retries): no verdict on the code.
+STATUSES = ("ok", "error", "timeout", "killed", "output_limit", "unavailable")
 
 
 @dataclass(frozen=True)

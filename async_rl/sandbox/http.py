@@ -60,7 +60,7 @@ class HttpSandbox:
         for attempt in range(1, self.retries + 2):
             remaining = deadline - time.monotonic()
             if remaining <= 0:  # spent on earlier attempts and their backoff
-                return self._failed("error", f"sandbox service at {self.url} {problem} (after {attempt - 1} "
+                return self._failed("unavailable", f"sandbox service at {self.url} {problem} (after {attempt - 1} "
                                              "attempts, until the deadline)", start)
             request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
             try:
@@ -71,8 +71,8 @@ class HttpSandbox:
             except urllib.error.HTTPError as err:
                 err.close()
                 if err.code < 500 and err.code != 429:
-                    return self._failed("error", f"sandbox service at {self.url} refused the request: HTTP {err.code}",
-                                        start)
+                    return self._failed("unavailable", f"sandbox service at {self.url} refused the request: "
+                                                       f"HTTP {err.code}", start)
                 problem = f"failed: HTTP {err.code}"
             except urllib.error.URLError as err:
                 if isinstance(err.reason, TimeoutError):
@@ -89,12 +89,12 @@ class HttpSandbox:
             if attempt <= self.retries:
                 time.sleep(max(0.0, min(backoff * random.uniform(0.5, 1.5), deadline - time.monotonic())))
                 backoff *= 2
-        return self._failed("error", f"sandbox service at {self.url} {problem} (after {self.retries + 1} attempts)",
-                            start)
+        return self._failed("unavailable", f"sandbox service at {self.url} {problem} "
+                                           f"(after {self.retries + 1} attempts)", start)
 
     def _execution(self, answer: bytes, start: float) -> Execution:
         if len(answer) > MAX_ANSWER_BYTES:
-            return self._failed("error", f"sandbox service: answer beyond {MAX_ANSWER_BYTES} bytes", start)
+            return self._failed("unavailable", f"sandbox service: answer beyond {MAX_ANSWER_BYTES} bytes", start)
         try:
             payload = json.loads(answer)
             result = payload.get("run_result") or {}
@@ -103,16 +103,16 @@ class HttpSandbox:
             if not isinstance(stdout, str) or not isinstance(stderr, str) or not isinstance(code, (int, type(None))):
                 raise TypeError("run_result fields of the wrong type")
         except (ValueError, AttributeError, TypeError) as err:
-            return self._failed("error", f"sandbox service: unreadable answer ({err})", start)
+            return self._failed("unavailable", f"sandbox service: unreadable answer ({err})", start)
         if outcome == "SandboxError" or result.get("status") == "Error":
             message = payload.get("message") or stderr or "no message"
-            return self._failed("error", f"sandbox service error: {message}", start)
+            return self._failed("unavailable", f"sandbox service error: {message}", start)
         if result.get("status") == "TimeLimitExceeded":
             status, code = "timeout", None
         elif result.get("status") == "Finished" and code is not None:
             status = "ok" if code == 0 else "killed" if code < 0 else "error"
         else:
-            return self._failed("error", f"sandbox service: unexpected answer (status {outcome!r}, "
+            return self._failed("unavailable", f"sandbox service: unexpected answer (status {outcome!r}, "
                                          f"run_result status {result.get('status')!r})", start)
         if len(stdout.encode()) + len(stderr.encode()) > self.limits.output_bytes:
             status, code = "output_limit", None

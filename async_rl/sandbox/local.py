@@ -165,8 +165,8 @@ def _supervise(config: dict, stdin_file, deadline: float, cap: int, isolation: I
     text_err = stderr.decode("utf-8", "replace")
     if ended in ("timeout", "output_limit"):
         status, exit_code = ended, None
-    elif "error" in outcome:
-        status, text_err = "error", text_err + f"\n{outcome['error']}\n"
+    elif "error" in outcome:  # its supervisor could not set the run up
+        status, text_err = "unavailable", text_err + f"\n{outcome['error']}\n"
     elif "signal" in outcome:
         status = "killed"
     elif "exit" in outcome:

@@ -73,6 +73,8 @@ def task_from_config(section, seed: int) -> Task:
         return make_task("reasoning_gym", seed=seed, dataset=section.dataset, options=section.dataset_options,
                          eval_size=section.eval_size, system_prompt=section.system_prompt)
     options = {"digits": section.digits} if section.name == "arithmetic" else {}
+    if section.name == "coding":
+        options["eval_families"] = section.eval_families
     task = make_task(section.name, seed=seed, eval_size=section.eval_size, **options)
     return WithReward(task, load_reward_fn(section.reward)) if section.reward else task
 

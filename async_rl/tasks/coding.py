@@ -310,15 +310,22 @@ class CodingTask:
 
     NAME, EVAL_SALT = "coding", 0xC0DE
 
-    def __init__(self, *, seed: int, eval_size: int = 256, eval_seed: int = 0) -> None:
+    def __init__(self, *, seed: int, eval_size: int = 256, eval_seed: int = 0,
+                 eval_families: str = "held_out") -> None:
+        """`eval_families`: "held_out" (HELD_OUT_FAMILIES), or "trained": new prompts of
+        TRAIN_FAMILIES from the evaluation's own random stream (how well a run learned what
+        it trained on, rather than how far that carries)."""
         if not 1 <= eval_size <= 5000:
             raise ValueError(f"{self.NAME}: eval_size must be in 1..5000, got {eval_size}")
+        if eval_families not in ("held_out", "trained"):
+            raise ValueError(f"{self.NAME}: eval_families must be 'held_out' or 'trained', got {eval_families!r}")
+        families = HELD_OUT_FAMILIES if eval_families == "held_out" else TRAIN_FAMILIES
         self.seed, self.eval_size = int(seed), eval_size
         self._eval: list[tuple[str, str, list[str]]] = []
         seen: set[str] = set()
         rng = np.random.default_rng([eval_seed, self.EVAL_SALT])
         for _ in range(10 * eval_size):  # the example's input makes repeats rare
-            question, answer, tests = pose(_pick(rng, HELD_OUT_FAMILIES)(rng), rng)
+            question, answer, tests = pose(_pick(rng, families)(rng), rng)
             if question not in seen:
                 seen.add(question)
                 self._eval.append((question, answer, tests))

@@ -40,6 +40,7 @@ class ToolProblemsConfig(_Rendering):
 class CodingConfig(_Rendering):
     name: Literal["coding"] = "coding"
     eval_size: int = Field(256, ge=1, description="Held-out prompts, never trained on.")
+    eval_families: Literal["held_out", "trained"] = Field("held_out", description="Held-out prompts from the 4 families never trained on, or new prompts of the trained families.")
     reward: str | None = Field(None, description=REWARD)
 
 

@@ -46,6 +46,9 @@ NonNegative = Annotated[float, Meta(ge=0.0, le=sys.float_info.max)]
 FailureNote = Annotated[str, Meta(max_length=MAX_FAILURE_NOTE + len("environment "))]
 
 
+MAX_REWARD_COMPONENTS = 16  # reward.components entries
+
+
 @dataclass(frozen=True)
 class WireLimits:
     max_message_bytes: int = 64 << 20
@@ -251,6 +254,12 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
     # [G] 1 = the sample's reward (or environment) failed and reward.on_failure=exclude:
     # it takes no part in the group's statistics or the loss; [0]: every sample scored.
     unscorable: UInt8Vector = field(default_factory=_empty(np.uint8))
+    # [G, C] per reward.components entry (rewards/components.py), or [0, 0] without them:
+    # each component's value and milliseconds (0 where it failed), and 0 or 1 + the
+    # FAILURE_REASONS index of how it failed.
+    components: Float32Matrix = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    component_ms: Float32Matrix = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    component_failures: UInt8Matrix = field(default_factory=lambda: np.zeros((0, 0), np.uint8))
 
     @classmethod
     def from_responses(cls, responses: Sequence[Response], **fields: Any) -> "ExperienceGroup":
@@ -309,6 +318,8 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
             return "bad_value"
         if self.unscorable.shape not in ((0,), (g,)):
             return "shape_mismatch"
+        if (reason := self._check_components(g)) is not None:
+            return reason
         if ((self.prompt_tokens < 0).any() or (self.response_tokens < 0).any() or (self.truncated > 1).any()
                 or (self.unscorable > 1).any()):
             return "bad_value"
@@ -322,6 +333,16 @@ class ExperienceGroup(Message, tag="experience_group", eq=False):
         # the oldest policy token's, or admission accounting lies.
         if group_version(self.token_versions, default=self.version, policy_mask=self.policy_mask) != self.version:
             return "version_mismatch"
+        return None
+
+    def _check_components(self, g: int) -> str | None:
+        shape = self.components.shape
+        if shape != (0, 0) and (shape[0] != g or shape[1] > MAX_REWARD_COMPONENTS):
+            return "shape_mismatch"
+        if self.component_ms.shape != shape or self.component_failures.shape != shape:
+            return "shape_mismatch"
+        if (self.component_ms < 0).any() or (self.component_failures > len(FAILURE_REASONS)).any():
+            return "bad_value"
         return None
 
     def _check_turns(self, r: int) -> str | None:

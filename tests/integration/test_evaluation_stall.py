@@ -27,7 +27,7 @@ def test_an_evaluation_longer_than_the_learner_timeout_stalls_no_rank(tmp_path, 
     assert prompts * samples * REWARD_S > timeout_s + 3 and chunk * samples * REWARD_S < timeout_s / 3
     train(run, demo_model, "train.max_steps=2", "learner.ranks=2", f"learner.timeout_s={timeout_s}", "eval.every=0",
           f"task.eval_size={prompts}", f"eval.size={prompts}", f"eval.batch_size={chunk}", f"eval.pass_k={samples}",
-          "eval.temperature=1.0", f"task.reward={reward}:score", timeout=180)
+          "eval.temperature=1.0", f"task.reward={reward}:score", "reward.workers=1", timeout=180)
     steps, evals = read_metrics(run)
     assert [s["step"] for s in steps] == [1, 2] and [e["step"] for e in evals] == [0, 2]
     assert all(e["eval/prompts"] == prompts and f"eval/pass@{samples}" in e for e in evals)

@@ -40,6 +40,7 @@ class Episode:
         self.failed_in = ""  # whose code failed: "reward" or "environment"
         self.failure_note = ""  # how it failed, one line
         self.observation_cut = False  # an environment's answer was longer than the budget it could use
+        self.components = None  # its reward.components' scores (rewards/components.py), when set
 
     def prefix(self) -> list[int]:
         """What the policy's next turn is conditioned on."""

@@ -3,8 +3,9 @@
 Every response is an episode (episodes.py): a single-turn one is one policy turn scored
 by the task's reward; a multi-turn one (env.name) plays against an environment, which
 gives the rewards. `experience` turns a work grant into one ExperienceGroup per prompt
-(the training-sample format), `scores` an evaluation grant's held-out prompts into their
-rewards. All user code (the reward, the environment) runs guarded (actor/guard.py, or
+(the training-sample format) in two halves, `generate` and `finish` (scoring, which the
+actor runs in its scorer thread: actor/scoring.py), `scores` an evaluation grant's
+held-out prompts into their rewards. All user code (the reward, the environment) runs guarded (actor/guard.py, or
 the reward's worker processes, rewards/pool.py): a failure scores reward.fallback, is
 counted in the message's `reward_errors` or `env_errors`, whichever code failed, and
 with reward.on_failure=exclude marks its sample `unscorable` (the learner leaves it out).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +29,7 @@ from async_rl.actor.rollout.episode import Episode
 from async_rl.actor.rollout.episodes import Environments, Limits, Sampling, run_episodes
 from async_rl.actor.rollout.turns import TurnFormat
 from async_rl.config import Config
+from async_rl.rewards.components import Components, ComponentScores, components_from_config
 from async_rl.rewards.outcome import Failed, as_reward, failure_note
 from async_rl.rewards.pool import Call as RewardCall
 from async_rl.rewards.pool import RewardPool
@@ -52,6 +55,16 @@ def failures(episodes: list[Episode]) -> dict:
             "first_failure": f"{first.failed_in} {first.failure_note}" if first is not None else ""}
 
 
+def component_fields(episodes: list[Episode]) -> dict:
+    """The wire's per-component fields of a group's samples ([G, C]); none without components."""
+    parts = [ep.components for ep in episodes]
+    if any(p is None for p in parts) or not parts:
+        return {}
+    return {"components": np.array([p.values for p in parts], dtype=np.float32),
+            "component_ms": np.array([p.ms for p in parts], dtype=np.float32),
+            "component_failures": np.array([p.codes for p in parts], dtype=np.uint8)}
+
+
 @dataclass
 class Scores:
     """A chunk of held-out prompts, `k` samples each: [prompts, k] arrays, and the wire's
@@ -70,18 +83,32 @@ class Scores:
                    failures([ep for g in groups for ep in g]))
 
 
+@dataclass
+class Generated:
+    """A work grant's episodes, generated with weights `version`, not yet scored."""
+    grant: WorkGrant
+    actor_id: int
+    version: int
+    prompts: list[Prompt]
+    groups: list[list[Episode]]
+    baselines: list[list[Episode]] | None
+    seconds: float
+
+
 class Rollout:
     def __init__(self, *, engine, prompt_format, task: Task, group_size: int, sampling: Sampling, limits: Limits,
                  eval_sampling: Sampling, eval_limits: Limits, eval_samples: int, reward: Guard,
                  environments: Environments | None = None, baseline: bool = False,
                  generator: torch.Generator | None = None, reward_pool: RewardPool | None = None,
-                 exclude_failures: bool = False) -> None:
+                 exclude_failures: bool = False, components: Components | None = None) -> None:
+        """`components`: reward.components, when set (the reward's values come per component)."""
         self.engine, self.prompt_format, self.task = engine, prompt_format, task
         self.prompts = PromptIndex(task)
         self.group_size, self.sampling, self.limits = group_size, sampling, limits
         self.eval_sampling, self.eval_limits, self.eval_samples = eval_sampling, eval_limits, eval_samples
         self.reward, self.environments, self.baseline, self.generator = reward, environments, baseline, generator
-        self.reward_pool, self.exclude_failures = reward_pool, exclude_failures
+        self.reward_pool, self.exclude_failures, self.components = reward_pool, exclude_failures, components
+        self._scoring = threading.Lock()  # one batch at a time through the reward's workers
 
     def close(self) -> None:
         """Stop the reward's worker processes, if it has any."""
@@ -107,21 +134,28 @@ class Rollout:
             environments = Environments(environment_factory(env.name, task, env.options, env.max_turns), guard,
                                         TurnFormat(prompt_format))
             limits = eval_limits = Limits(env.max_turns, env.max_tokens, env.turn_tokens or a.max_new_tokens)
-        pool = None
+        pool = components = None
+        parts = [c.model_dump() for c in cfg.reward.components]
         if environments is None and cfg.reward.executor == "process":
             pool = RewardPool(cfg.task.model_dump(mode="json"), cfg.seed, processes=cfg.reward.workers,
-                              timeout_s=cfg.reward.timeout_s)
+                              timeout_s=cfg.reward.timeout_s, components=parts)
             pool.start()
+        if parts and environments is None:  # in the actor too: their names, weights, a whole call's failure
+            components = components_from_config(parts, task.reward)
         return cls(engine=engine, prompt_format=prompt_format, task=task, group_size=cfg.train.group_size,
                    sampling=Sampling(a.temperature, a.top_p), limits=limits,
                    eval_sampling=Sampling(e.temperature or 1.0, greedy=e.temperature == 0.0), eval_limits=eval_limits,
                    eval_samples=e.pass_k, reward=reward, environments=environments,
                    baseline=cfg.train.advantage.name == "remax", generator=generator, reward_pool=pool,
-                   exclude_failures=cfg.reward.on_failure == "exclude")
+                   exclude_failures=cfg.reward.on_failure == "exclude", components=components)
 
     def experience(self, grant: WorkGrant, actor_id: int, spans: SpanRecorder | None = None) -> list[ExperienceGroup]:
         """One ExperienceGroup per granted prompt, its `group_size` episodes as responses;
         `spans` gets the generate and score spans."""
+        return self.finish(self.generate(grant, actor_id, spans), spans)
+
+    def generate(self, grant: WorkGrant, actor_id: int, spans: SpanRecorder | None = None) -> Generated:
+        """The granted prompts' episodes, not yet scored (`finish` scores them)."""
         spans = spans if spans is not None else SpanRecorder(enabled=False)
         prompts = [self.prompts[i] for i in grant.prompt_ids]
         with spans.span("generate", groups=len(prompts)) as span_args:
@@ -130,24 +164,31 @@ class Rollout:
             if self.baseline:  # ReMax: one greedy episode per prompt, the same weights
                 baselines, _ = self._episodes(prompts, 1, Sampling(1.0, greedy=True), self.limits)
             span_args["tokens"] = sum(len(ep.tokens) for group in groups for ep in group)
-        with spans.span("score", groups=len(prompts)):
-            self._score(prompts + (prompts if baselines else []), groups + (baselines or []))
+        return Generated(grant, actor_id, self.engine.version, prompts, groups, baselines, seconds)
+
+    def finish(self, generated: Generated, spans: SpanRecorder | None = None) -> list[ExperienceGroup]:
+        """Score `generated`'s episodes; one ExperienceGroup per prompt. Safe to call from
+        another thread than `generate`'s (the actor scores off its generation path)."""
+        spans = spans if spans is not None else SpanRecorder(enabled=False)
+        g = generated
+        with spans.span("score", groups=len(g.prompts)):
+            self._score(g.prompts + (g.prompts if g.baselines else []), g.groups + (g.baselines or []))
         out = []
-        for k, episodes in enumerate(groups):
+        for k, episodes in enumerate(g.groups):
             responses = [ep.response() for ep in episodes]
             masks = [r.policy_mask for r in responses if r.policy_mask is not None]
-            greedy = None if baselines is None else baselines[k][0]
+            greedy = None if g.baselines is None else g.baselines[k][0]
             scored = episodes + ([greedy] if greedy is not None else [])
             out.append(ExperienceGroup.from_responses(
-                responses, actor_id=actor_id, group=grant.groups[k], prompt_id=grant.prompt_ids[k],
-                version=group_version(np.concatenate([r.versions for r in responses]), default=self.engine.version,
+                responses, actor_id=g.actor_id, group=g.grant.groups[k], prompt_id=g.grant.prompt_ids[k],
+                version=group_version(np.concatenate([r.versions for r in responses]), default=g.version,
                                       policy_mask=np.concatenate(masks) if masks else None),
                 prompt_tokens=np.asarray(episodes[0].prompt_tokens, dtype=np.int32),
                 rewards=np.array([ep.reward for ep in episodes], dtype=np.float32),
                 truncated=np.array([ep.truncated for ep in episodes], dtype=np.uint8),
-                gen_seconds=seconds / max(1, len(prompts)), greedy_reward=None if greedy is None else greedy.reward,
+                gen_seconds=g.seconds / max(1, len(g.prompts)), greedy_reward=None if greedy is None else greedy.reward,
                 observations_cut=sum(ep.observation_cut for ep in scored),
-                unscorable=self._unscorable(episodes, greedy), **failures(scored)))
+                unscorable=self._unscorable(episodes, greedy), **failures(scored), **component_fields(episodes)))
         return out
 
     def _unscorable(self, episodes: list[Episode], greedy: Episode | None) -> np.ndarray:
@@ -182,19 +223,27 @@ class Rollout:
         worker thread. (An environment scores its own episodes.)"""
         if self.environments is not None:
             return
+        with self._scoring:
+            self._score_locked(prompts, groups)
+
+    def _score_locked(self, prompts: list[Prompt], groups: list[list[Episode]]) -> None:
         pairs = [(p, ep) for p, group in zip(prompts, groups, strict=True) for ep in group]
         texts = [self.prompt_format.response_text(ep.tokens) for _, ep in pairs]
         if self.reward_pool is not None:
             outcomes = dict(enumerate(self.reward_pool.score(
                 [RewardCall(p.text, text, p.answer, p.fields) for (p, _), text in zip(pairs, texts)])))
         else:
+            reward, check = (self.components, None) if self.components is not None else (self.task.reward, as_reward)
             calls = Calls()
-            calls.submit([Call(i, self.reward, functools.partial(self.task.reward, **p.fields),
-                               (p.text, text, p.answer), as_reward)
+            calls.submit([Call(i, self.reward, functools.partial(reward, **p.fields), (p.text, text, p.answer), check)
                           for i, ((p, _), text) in enumerate(zip(pairs, texts))])
             outcomes = calls.wait_all()
         for i, outcome in outcomes.items():
             ep = pairs[i][1]
+            if self.components is not None:
+                ep.components = (outcome if isinstance(outcome, ComponentScores)
+                                 else self.components.failed_whole(outcome))
+                outcome = ep.components.settle()
             if isinstance(outcome, Failed):
                 ep.fail(self.reward.failed(outcome), outcome.reason, "reward", failure_note(outcome))
             else:

@@ -7,7 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from async_rl.sandbox import HttpSandbox, SandboxLimits, score_code
+from async_rl.sandbox import HttpSandbox, SandboxLimits, SandboxUnavailable, score_code
 
 
 class FakeSandboxFusion(BaseHTTPRequestHandler):
@@ -94,7 +94,7 @@ def test_a_run_sends_sandboxfusion_s_request_and_reads_its_answer(service):
 
 
 @pytest.mark.parametrize(("code", "status", "exit_code"), [
-    ("exit(3)", "error", 3), ("TLE", "timeout", None), ("KILL", "killed", -9), ("SANDBOX_ERROR", "error", None),
+    ("exit(3)", "error", 3), ("TLE", "timeout", None), ("KILL", "killed", -9), ("SANDBOX_ERROR", "unavailable", None),
 ])
 def test_the_answer_s_outcome_becomes_the_status(service, code, status, exit_code):
     result = HttpSandbox(service[1], timeout_s=3).run(code)
@@ -123,14 +123,14 @@ def test_a_cut_off_answer_is_retried(service):
 def test_retries_end_with_an_error_naming_the_answer(service):
     server, url = service
     result = HttpSandbox(url, timeout_s=3, retries=2).run("BUSY")
-    assert result.status == "error" and len(server.requests) == 3
+    assert result.status == "unavailable" and len(server.requests) == 3
     assert "HTTP 429 (after 3 attempts)" in result.stderr
 
 
 def test_a_4xx_answer_is_not_retried(service):
     server, url = service
     result = HttpSandbox(url, timeout_s=3, retries=2).run("BAD")
-    assert result.status == "error" and len(server.requests) == 1
+    assert result.status == "unavailable" and len(server.requests) == 1
     assert "HTTP 400" in result.stderr
 
 
@@ -150,10 +150,19 @@ def test_an_unreachable_service_is_an_error_naming_it():
     started = time.monotonic()
     result = HttpSandbox(f"http://127.0.0.1:{port}", timeout_s=1, retries=2, grace_s=0.5).run("print(1)")
     assert time.monotonic() - started <= 1.5 + 1.0
-    assert result.status == "error" and result.exit_code is None
+    assert result.status == "unavailable" and result.exit_code is None
     assert "unreachable" in result.stderr and f"127.0.0.1:{port}" in result.stderr
 
 
 def test_score_code_runs_through_it(service):
     result = score_code("def f():\n    return 1\n", ["assert f() == 1", "assert f() != 2"], HttpSandbox(service[1]))
     assert (result.passed, result.total) == (2, 2)
+
+
+def test_a_service_that_stays_down_fails_the_score_instead_of_scoring_0(service):
+    """Retried while the deadline allows, then no verdict: the reward call fails (the
+    sample is unscorable), where a 0 would train the policy on the service's outage."""
+    server, url = service
+    with pytest.raises(SandboxUnavailable, match="HTTP 429"):
+        score_code("def f():\n    return 1\n", ["assert f() == 1  # BUSY"], HttpSandbox(url, timeout_s=3, retries=1))
+    assert len(server.requests) == 2

@@ -212,6 +212,7 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_demo_model(tmp_path_factory.mktemp("demo") / "model", seed=1)
 
 
+@pytest.mark.integration  # a real warm start (~300 steps): the integration tier
 def test_demo_model_loads_and_tokenizes(demo_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -231,6 +232,7 @@ def test_demo_model_loads_and_tokenizes(demo_dir: Path) -> None:
     assert out.shape[1] <= 11
 
 
+@pytest.mark.integration  # a real warm start (~300 steps): the integration tier
 def test_demo_model_warm_start_accuracy(demo_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
