@@ -100,6 +100,23 @@ def demo_model(tmp_path_factory):
                             min_mixed_fraction=0.0)
 
 
+@pytest.fixture(scope="session")
+def reward_model_dir(tmp_path_factory):
+    """A randomly initialized reward model (one output) of the demo's architecture and tokenizer."""
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    from async_rl.models.demo import build_config, build_tokenizer
+
+    torch.manual_seed(0)
+    config = build_config()
+    config.num_labels = 1
+    path = tmp_path_factory.mktemp("rm") / "reward_model"
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
 def alive(pid: int) -> bool:
     """Is `pid` a live process (not gone, not a zombie waiting to be reaped)?"""
     try:

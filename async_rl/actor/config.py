@@ -44,8 +44,16 @@ class ActorsConfig(Section):
 
 class RewardComponentConfig(Section):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="The component's name in metrics (reward/<name>/mean, ...).")
-    reward: str = Field(description="`task` (the task's own reward), a built-in, `module:function` or `file.py:function`: f(prompt, response, answer, ...).")
+    reward: str = Field(description="`task` (the task's own reward), `reward_model` (a learned one at `model`), a built-in, `module:function` or `file.py:function`.")
     weight: float = Field(1.0, allow_inf_nan=False, description="Its weight in the sample's reward; 0 = scored and logged, not trained on.")
+    model: str | None = Field(None, description="With reward: reward_model, an HF sequence-classification model directory with one output.")
+
+    @model_validator(mode="after")
+    def _model_for_a_reward_model(self) -> RewardComponentConfig:
+        if (self.reward == "reward_model") != (self.model is not None):
+            raise ValueError("reward.components: `model` is for, and needed by, `reward: reward_model` "
+                             f"(component {self.name!r})")
+        return self
 
 
 class RewardConfig(Section):

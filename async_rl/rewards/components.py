@@ -1,7 +1,8 @@
 """Several reward sources, weighted and summed (`reward.components`).
 
 Each component is a reward function (a built-in, `module:function`, `file.py:function`,
-or `task`: the task's own reward) with a weight; the sample's reward is the weighted
+`task`: the task's own reward, or `reward_model`: a learned one, rewards/reward_model.py)
+with a weight; the sample's reward is the weighted
 sum. A component of weight 0 is scored and logged but trained on by nobody: a
 verifiable reward watching a learned one. Every component of a sample is called, each
 timed and guarded on its own, so that a failed one does not hide the others' values;
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from async_rl.rewards.outcome import Failed, as_reward, failure_note
+from async_rl.rewards.reward_model import REWARD_MODEL, RewardModel
 from async_rl.wire.messages import FAILURE_REASONS
 
 TASK_REWARD = "task"  # a component's `reward` that means the task's own
@@ -72,20 +74,49 @@ class Components:
         self.functions = [fn for _, _, fn in parts]
 
     def __call__(self, prompt: str, response: str, answer: str, **fields) -> ComponentScores:
-        values, ms, codes, notes = [], [], [], []
-        for fn in self.functions:
+        return self.score_batch([(prompt, response, answer, fields)])[0]
+
+    @property
+    def batched(self) -> bool:
+        """Whether a component scores batches (a reward model: `score_batch`)."""
+        return any(hasattr(fn, "score_batch") for fn in self.functions)
+
+    def score_batch(self, calls: list[tuple[str, str, str, dict]]) -> list[ComponentScores]:
+        """Every component of each (prompt, response, answer, fields): a batch source
+        (`score_batch(prompts, responses)`) once for all, its time shared evenly; the
+        others call by call."""
+        n = len(calls)
+        values = [[0.0] * len(self.functions) for _ in range(n)]
+        ms = [[0.0] * len(self.functions) for _ in range(n)]
+        codes = [[0] * len(self.functions) for _ in range(n)]
+        notes = [[""] * len(self.functions) for _ in range(n)]
+
+        def record(i: int, j: int, run) -> None:
             start = time.perf_counter()
             try:
-                values.append(as_reward(fn(prompt, response, answer, **fields)))
-                codes.append(0)
-                notes.append("")
+                values[i][j] = as_reward(run())
             except Exception as err:  # noqa: BLE001 - a component's failure is data
                 failure = err if isinstance(err, Failed) else Failed("raised", f"raised {type(err).__name__}: {err}")
-                values.append(0.0)
-                codes.append(1 + FAILURE_REASONS.index(failure.reason))
-                notes.append(failure_note(failure))
-            ms.append((time.perf_counter() - start) * 1e3)
-        return ComponentScores(self.names, self.weights, values, ms, codes, notes)
+                codes[i][j], notes[i][j] = 1 + FAILURE_REASONS.index(failure.reason), failure_note(failure)
+            ms[i][j] = (time.perf_counter() - start) * 1e3
+
+        for j, fn in enumerate(self.functions):
+            if hasattr(fn, "score_batch"):
+                start = time.perf_counter()
+                try:
+                    batch = fn.score_batch([c[0] for c in calls], [c[1] for c in calls])
+                    if len(batch) != n:
+                        raise ValueError(f"score_batch returned {len(batch)} scores for {n} samples")
+                except Exception as err:  # noqa: BLE001 - every sample's component failed
+                    batch = [err] * n
+                share = (time.perf_counter() - start) * 1e3 / max(n, 1)
+                for i, value in enumerate(batch):
+                    record(i, j, lambda value=value: _raise_or(value))
+                    ms[i][j] = share
+                continue
+            for i, (prompt, response, answer, fields) in enumerate(calls):
+                record(i, j, lambda: fn(prompt, response, answer, **fields))  # noqa: B023 - called at once
+        return [ComponentScores(self.names, self.weights, values[i], ms[i], codes[i], notes[i]) for i in range(n)]
 
     def failed_whole(self, failure: Failed) -> ComponentScores:
         """Every component failed at once (the call ran past reward.timeout_s, its worker died)."""
@@ -95,10 +126,22 @@ class Components:
                                [failure_note(failure)] * n)
 
 
+def _raise_or(value):
+    if isinstance(value, Exception):
+        raise value
+    return value
+
+
 def components_from_config(components: list[dict], task_reward: Callable) -> Components:
     """`reward.components` (as dicts: name, reward, weight) with `task_reward` standing for `task`."""
     from async_rl.tasks import load_reward_fn
     from async_rl.tasks.rows import with_fields
 
-    return Components([(c["name"], c["weight"], task_reward if c["reward"] == TASK_REWARD
-                        else with_fields(load_reward_fn(c["reward"]))) for c in components])
+    def source(c: dict) -> Callable:
+        if c["reward"] == TASK_REWARD:
+            return task_reward
+        if c["reward"] == REWARD_MODEL:
+            return RewardModel(c["model"])
+        return with_fields(load_reward_fn(c["reward"]))
+
+    return Components([(c["name"], c["weight"], source(c)) for c in components])

@@ -4,7 +4,8 @@ and the seed), says it is ready, then scores one request at a time, in its main 
 so that a reward may time itself out with signal.alarm (math-verify does). It dies with
 the actor (PR_SET_PDEATHSIG) and exits when the actor closes its pipe; a call past its
 deadline is not its business: the actor kills it. Requests come in batches, answers
-one call at a time.
+one call at a time, or BATCH at a time when a component scores batches (a reward model):
+the deadline of the first of those then covers the batch.
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import time
 import traceback
 
 from async_rl.rewards import frames
-from async_rl.rewards.components import ComponentScores
+from async_rl.rewards.components import Components, ComponentScores
 from async_rl.rewards.outcome import Failed, as_reward, failure_note
 
 _PR_SET_PDEATHSIG = 1
 TRACEBACK_CHARS = 4000
+BATCH = 8  # calls scored at once when a reward.components entry scores batches (a reward model)
 
 
 def _die_with_parent() -> None:
@@ -57,6 +59,13 @@ def _score(reward, request: dict) -> dict:
     return reply
 
 
+def _score_batch(reward: Components, calls: list[dict]) -> list[dict]:
+    start = time.perf_counter()
+    scores = reward.score_batch([(c["prompt"], c["response"], c["answer"], c["fields"]) for c in calls])
+    seconds = (time.perf_counter() - start) / len(calls)
+    return [{**scored.reply(), "id": call["id"], "seconds": seconds} for scored, call in zip(scores, calls)]
+
+
 def main(argv: list[str]) -> int:
     _die_with_parent()
     read_fd, write_fd = int(argv[0]), int(argv[1])
@@ -71,9 +80,20 @@ def main(argv: list[str]) -> int:
         frames.write(write_fd, frames.encode({"ready": False, "error": f"{type(err).__name__}: {err}"[:1000]}))
         return 1
     frames.write(write_fd, frames.encode({"ready": True}))
+    batched = isinstance(reward, Components) and reward.batched
+    if batched:
+        import torch
+
+        torch.set_num_threads(1)  # one core per worker, as any reward gets
     while (batch := requests.next()) is not None:
-        for call in batch["calls"]:  # answered one by one: the actor times each call from the last answer
-            frames.write(write_fd, frames.encode(_score(reward, call)))
+        calls = batch["calls"]
+        if not batched:
+            for call in calls:  # answered one by one: the actor times each call from the last answer
+                frames.write(write_fd, frames.encode(_score(reward, call)))
+            continue
+        for start in range(0, len(calls), BATCH):  # a reward model scores BATCH calls at once
+            for reply in _score_batch(reward, calls[start:start + BATCH]):
+                frames.write(write_fd, frames.encode(reply))
     return 0
 
 

@@ -120,6 +120,28 @@ def check_task(cfg: Config) -> None:
                                   f"a reward must be a finite number")
     if cfg.env is not None:
         check_environment(cfg, task, prompt_format)
+    check_components(cfg)
+
+
+def check_components(cfg: Config) -> None:
+    """Each reward.components entry loads (a reward model's directory exists): else one
+    line naming it (exit 2). A file path is made absolute, as task.reward's."""
+    from async_rl.tasks import load_reward_fn
+
+    for component in cfg.reward.components:
+        where = f"reward.components ({component.name})"
+        if component.reward == "reward_model":
+            if not (Path(component.model) / "config.json").is_file():
+                raise ConfigError(f"{where}: model {component.model!r} is not a model directory (no config.json)")
+            component.model = str(Path(component.model).resolve())
+        elif component.reward != "task":
+            if ".py:" in component.reward and not Path(component.reward.rsplit(":", 1)[0]).is_absolute():
+                file, fn = component.reward.rsplit(":", 1)
+                component.reward = f"{Path(file).resolve()}:{fn}"
+            try:
+                load_reward_fn(component.reward)
+            except ValueError as err:
+                raise ConfigError(f"{where}: {str(err).splitlines()[0]}") from None
 
 
 def check_environment(cfg: Config, task, prompt_format) -> None:
