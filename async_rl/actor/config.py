@@ -47,12 +47,16 @@ class RewardComponentConfig(Section):
     reward: str = Field(description="`task` (the task's own reward), `reward_model` (a learned one at `model`), a built-in, `module:function` or `file.py:function`.")
     weight: float = Field(1.0, allow_inf_nan=False, description="Its weight in the sample's reward; 0 = scored and logged, not trained on.")
     model: str | None = Field(None, description="With reward: reward_model, an HF sequence-classification model directory with one output.")
+    scope: Literal["sample", "group"] = Field("sample", description="`group`: f(prompt, responses, answer, ...) scores a prompt's whole group at once (pairwise, listwise judges), one score per response.")
 
     @model_validator(mode="after")
     def _model_for_a_reward_model(self) -> RewardComponentConfig:
         if (self.reward == "reward_model") != (self.model is not None):
             raise ValueError("reward.components: `model` is for, and needed by, `reward: reward_model` "
                              f"(component {self.name!r})")
+        if self.scope == "group" and self.reward in ("task", "reward_model"):
+            raise ValueError(f"reward.components: scope: group is for a function of a group's responses, "
+                             f"not {self.reward!r} (component {self.name!r})")
         return self
 
 

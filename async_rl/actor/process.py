@@ -202,14 +202,14 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         # goodbye (it would count as a message from an unknown actor; late spans do not).
         stop.set()
         beat.join(timeout=5)
+        if scorer is not None:  # the grant being scored reaches the hub before our goodbye re-issues it
+            scorer.close(wait_s=cfg.reward.timeout_s + 5)
         while len(spans):  # best effort, like the goodbye: the spans since the last heartbeat
             _ship_spans(hub.sock, actor_id, spans, flags=zmq.NOBLOCK)
         try:  # best effort: the hub re-issues our prompts now instead of after the heartbeat timeout
             send(hub.sock, Goodbye(reason="leaving", actor_id=actor_id), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
-        if scorer is not None:  # before the socket it pushes on and the reward's workers go
-            scorer.close(wait_s=cfg.reward.timeout_s + 5)
         if push is not None:
             push.close()
         if rollout is not None:

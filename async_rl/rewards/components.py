@@ -3,7 +3,10 @@
 Each component is a reward function (a built-in, `module:function`, `file.py:function`,
 `task`: the task's own reward, or `reward_model`: a learned one, rewards/reward_model.py)
 with a weight; the sample's reward is the weighted
-sum. A component of weight 0 is scored and logged but trained on by nobody: a
+sum. A component of `scope: group` scores a prompt's whole group at once,
+`f(prompt, responses, answer, **fields)` -> a score per response (a pairwise or listwise
+judge): each call is then a group. A component of weight 0 is scored and logged but
+trained on by nobody: a
 verifiable reward watching a learned one. Every component of a sample is called, each
 timed and guarded on its own, so that a failed one does not hide the others' values;
 the sample fails (unscorable, or reward.fallback) only when a weighted one failed.
@@ -66,12 +69,25 @@ class ComponentScores:
 
 
 class Components:
-    """The reward of `reward.components`: `(name, weight, function)` triples."""
+    """The reward of `reward.components`: `(name, weight, function)` triples, and the
+    names of those that score a whole group at once (`grouped`)."""
 
-    def __init__(self, parts: list[tuple[str, float, Callable]]) -> None:
+    def __init__(self, parts: list[tuple[str, float, Callable]], grouped: frozenset[str] = frozenset()) -> None:
         self.names = [name for name, _, _ in parts]
         self.weights = [float(weight) for _, weight, _ in parts]
         self.functions = [fn for _, _, fn in parts]
+        self.by_group = [name in grouped for name in self.names]
+
+    @property
+    def grouped(self) -> bool:
+        """Whether a component scores a prompt's whole group (`scope: group`): then a call
+        is a group, `score_group`."""
+        return any(self.by_group)
+
+    def score_group(self, prompt: str, responses: list[str], answer: str, **fields) -> list[ComponentScores]:
+        """Every component of each of a prompt's responses: a group-scope component once,
+        `f(prompt, responses, answer, **fields)` -> one score per response."""
+        return self.score_batch([(prompt, response, answer, fields) for response in responses], group=True)
 
     def __call__(self, prompt: str, response: str, answer: str, **fields) -> ComponentScores:
         return self.score_batch([(prompt, response, answer, fields)])[0]
@@ -81,10 +97,11 @@ class Components:
         """Whether a component scores batches (a reward model: `score_batch`)."""
         return any(hasattr(fn, "score_batch") for fn in self.functions)
 
-    def score_batch(self, calls: list[tuple[str, str, str, dict]]) -> list[ComponentScores]:
+    def score_batch(self, calls: list[tuple[str, str, str, dict]], group: bool = False) -> list[ComponentScores]:
         """Every component of each (prompt, response, answer, fields): a batch source
-        (`score_batch(prompts, responses)`) once for all, its time shared evenly; the
-        others call by call."""
+        (`score_batch(prompts, responses)`), and with `group` (the calls are one prompt's
+        group) a group-scope one, once for all, its time shared evenly; the others call
+        by call."""
         n = len(calls)
         values = [[0.0] * len(self.functions) for _ in range(n)]
         ms = [[0.0] * len(self.functions) for _ in range(n)]
@@ -101,12 +118,18 @@ class Components:
             ms[i][j] = (time.perf_counter() - start) * 1e3
 
         for j, fn in enumerate(self.functions):
-            if hasattr(fn, "score_batch"):
+            if self.by_group[j] and not group:
+                raise ValueError(f"component {self.names[j]} scores groups: call score_group")
+            if hasattr(fn, "score_batch") or self.by_group[j]:
                 start = time.perf_counter()
                 try:
-                    batch = fn.score_batch([c[0] for c in calls], [c[1] for c in calls])
+                    if self.by_group[j]:
+                        prompt, _, answer, fields = calls[0]
+                        batch = list(fn(prompt, [c[1] for c in calls], answer, **fields))
+                    else:
+                        batch = fn.score_batch([c[0] for c in calls], [c[1] for c in calls])
                     if len(batch) != n:
-                        raise ValueError(f"score_batch returned {len(batch)} scores for {n} samples")
+                        raise ValueError(f"returned {len(batch)} scores for {n} responses")
                 except Exception as err:  # noqa: BLE001 - every sample's component failed
                     batch = [err] * n
                 share = (time.perf_counter() - start) * 1e3 / max(n, 1)
@@ -142,6 +165,7 @@ def components_from_config(components: list[dict], task_reward: Callable) -> Com
             return task_reward
         if c["reward"] == REWARD_MODEL:
             return RewardModel(c["model"])
-        return with_fields(load_reward_fn(c["reward"]))
+        return with_fields(load_reward_fn(c["reward"]))  # a group-scope f(prompt, responses, answer, ...) alike
 
-    return Components([(c["name"], c["weight"], source(c)) for c in components])
+    return Components([(c["name"], c["weight"], source(c)) for c in components],
+                      frozenset(c["name"] for c in components if c.get("scope") == "group"))

@@ -45,9 +45,10 @@ class RemoteTraceback(Exception):
 
 @dataclass
 class Call:
-    """One reward call: the task's reward on (prompt, response, answer, **fields)."""
+    """One reward call: the task's reward on (prompt, response, answer, **fields); with a
+    group-scope component, `response` is a prompt's group of responses."""
     prompt: str
-    response: str
+    response: str | list[str]
     answer: str
     fields: dict = field(default_factory=dict)
 
@@ -227,7 +228,10 @@ class RewardPool:
                 todo.extendleft(reversed(worker.queue))
             self._replace(worker)
 
-    def _outcome(self, answer: dict) -> float | Failed | ComponentScores:
+    def _outcome(self, answer: dict) -> float | Failed | ComponentScores | list[ComponentScores]:
+        if self.component_names and isinstance(answer.get("group"), list):
+            return [ComponentScores.from_reply(part if isinstance(part, dict) else {}, self.component_names,
+                                               self.component_weights) for part in answer["group"]]
         if self.component_names and "components" in answer:
             return ComponentScores.from_reply(answer, self.component_names, self.component_weights)
         if "value" in answer and isinstance(answer["value"], float) and math.isfinite(answer["value"]):

@@ -48,8 +48,12 @@ def _build(hello: dict):
 def _score(reward, request: dict) -> dict:
     start = time.perf_counter()
     try:
-        value = reward(request["prompt"], request["response"], request["answer"], **request["fields"])
-        reply: dict = value.reply() if isinstance(value, ComponentScores) else {"value": as_reward(value)}
+        if isinstance(request["response"], list):  # a group, for a group-scope component
+            scores = reward.score_group(request["prompt"], request["response"], request["answer"], **request["fields"])
+            reply: dict = {"group": [scored.reply() for scored in scores]}
+        else:
+            value = reward(request["prompt"], request["response"], request["answer"], **request["fields"])
+            reply = value.reply() if isinstance(value, ComponentScores) else {"value": as_reward(value)}
     except Failed as failure:
         reply = {"failure": failure.reason, "note": failure_note(failure)}
     except Exception as err:
@@ -80,7 +84,7 @@ def main(argv: list[str]) -> int:
         frames.write(write_fd, frames.encode({"ready": False, "error": f"{type(err).__name__}: {err}"[:1000]}))
         return 1
     frames.write(write_fd, frames.encode({"ready": True}))
-    batched = isinstance(reward, Components) and reward.batched
+    batched = isinstance(reward, Components) and reward.batched and not reward.grouped  # a group is a batch
     if batched:
         import torch
 

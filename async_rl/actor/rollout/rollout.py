@@ -227,6 +227,9 @@ class Rollout:
             self._score_locked(prompts, groups)
 
     def _score_locked(self, prompts: list[Prompt], groups: list[list[Episode]]) -> None:
+        if self.components is not None and self.components.grouped:
+            self._score_groups(prompts, groups)
+            return
         pairs = [(p, ep) for p, group in zip(prompts, groups, strict=True) for ep in group]
         texts = [self.prompt_format.response_text(ep.tokens) for _, ep in pairs]
         if self.reward_pool is not None:
@@ -239,12 +242,31 @@ class Rollout:
                           for i, ((p, _), text) in enumerate(zip(pairs, texts))])
             outcomes = calls.wait_all()
         for i, outcome in outcomes.items():
-            ep = pairs[i][1]
-            if self.components is not None:
-                ep.components = (outcome if isinstance(outcome, ComponentScores)
-                                 else self.components.failed_whole(outcome))
-                outcome = ep.components.settle()
-            if isinstance(outcome, Failed):
-                ep.fail(self.reward.failed(outcome), outcome.reason, "reward", failure_note(outcome))
-            else:
-                ep.score(outcome)
+            self._settle(pairs[i][1], outcome)
+
+    def _score_groups(self, prompts: list[Prompt], groups: list[list[Episode]]) -> None:
+        """With a group-scope component, one call per prompt scores its whole group."""
+        texts = [[self.prompt_format.response_text(ep.tokens) for ep in group] for group in groups]
+        if self.reward_pool is not None:
+            outcomes = dict(enumerate(self.reward_pool.score(
+                [RewardCall(p.text, t, p.answer, p.fields) for p, t in zip(prompts, texts)])))
+        else:
+            calls = Calls()
+            calls.submit([Call(k, self.reward, functools.partial(self.components.score_group, **p.fields),
+                               (p.text, t, p.answer)) for k, (p, t) in enumerate(zip(prompts, texts))])
+            outcomes = calls.wait_all()
+        for k, outcome in outcomes.items():
+            if not isinstance(outcome, Failed) and (not isinstance(outcome, list) or len(outcome) != len(groups[k])):
+                outcome = Failed("raised", f"answered {type(outcome).__name__} for a group of {len(groups[k])}")
+            for j, ep in enumerate(groups[k]):
+                self._settle(ep, outcome if isinstance(outcome, Failed) else outcome[j])
+
+    def _settle(self, ep: Episode, outcome) -> None:
+        """Score `ep` with its reward's `outcome`, or fail it."""
+        if self.components is not None:
+            ep.components = outcome if isinstance(outcome, ComponentScores) else self.components.failed_whole(outcome)
+            outcome = ep.components.settle()
+        if isinstance(outcome, Failed):
+            ep.fail(self.reward.failed(outcome), outcome.reason, "reward", failure_note(outcome))
+        else:
+            ep.score(outcome)

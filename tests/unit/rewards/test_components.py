@@ -29,6 +29,20 @@ def nan(prompt, response, answer):
 """
 
 
+def two_groups(model, executor: str, components: list[dict]):
+    """(config, rollout, two groups of 4 as the learner decodes them) of a real engine whose
+    samples `components` scored, in the reward's workers or the actor's thread."""
+    cfg = build_config({"model": {"path": str(model)}, "train": {"group_size": 4}, "actors": {"max_new_tokens": 3},
+                        "reward": {"executor": executor, "workers": 1, "components": components}})
+    rollout = Rollout.from_config(cfg, TorchEngine(str(model)), prompt_format_for(cfg.model.path, cfg.task),
+                                  task_from_config(cfg.task, cfg.seed), torch.Generator().manual_seed(0))
+    try:
+        groups = rollout.experience(WorkGrant(groups=[0, 1], prompt_ids=[0, 1]), 0)
+        return cfg, rollout, [decode(encode(g)) for g in groups]
+    finally:
+        rollout.close()
+
+
 def test_the_reward_is_the_weighted_sum_and_a_weight_0_failure_fails_nothing():
     parts = Components([("exact", 2.0, lambda p, r, a: float(r == a)), ("len", -0.5, lambda p, r, a: len(r)),
                         ("watch", 0.0, lambda p, r, a: 1 / 0)])
@@ -72,17 +86,9 @@ def test_the_reward_workers_score_components_one_by_one(tmp_path):
 def test_each_group_carries_its_components_and_the_learner_logs_them(demo_model, tmp_path, executor):
     path = tmp_path / "sources.py"
     path.write_text(SOURCES)
-    cfg = build_config({"model": {"path": str(demo_model)}, "train": {"group_size": 4}, "actors": {"max_new_tokens": 3},
-                        "reward": {"executor": executor, "workers": 1, "components": [
-                            {"name": "exact", "reward": "task", "weight": 1.0},
-                            {"name": "length", "reward": f"{path}:length", "weight": 0.5},
-                            {"name": "judge", "reward": f"{path}:broken", "weight": 0.0}]}})
-    rollout = Rollout.from_config(cfg, TorchEngine(str(demo_model)), prompt_format_for(cfg.model.path, cfg.task),
-                                  task_from_config(cfg.task, cfg.seed), torch.Generator().manual_seed(0))
-    try:
-        groups = [decode(encode(g)) for g in rollout.experience(WorkGrant(groups=[0, 1], prompt_ids=[0, 1]), 0)]
-    finally:
-        rollout.close()
+    cfg, _, groups = two_groups(demo_model, executor, [{"name": "exact", "reward": "task", "weight": 1.0},
+                                                       {"name": "length", "reward": f"{path}:length", "weight": 0.5},
+                                                       {"name": "judge", "reward": f"{path}:broken", "weight": 0.0}])
     for g in groups:
         assert g.components.shape == g.component_ms.shape == g.component_failures.shape == (4, 3)
         np.testing.assert_allclose(g.rewards, g.components[:, 0] + 0.5 * g.components[:, 1], rtol=1e-6)
@@ -95,3 +101,47 @@ def test_each_group_carries_its_components_and_the_learner_logs_them(demo_model,
     assert metrics["reward/judge/unscorable_frac"] == 0.0 and metrics["reward/exact/error_frac"] == 0.0
     assert metrics["reward/exact/latency_p50_ms"] <= metrics["reward/exact/latency_p95_ms"]
     assert "reward/judge/mean" not in metrics
+
+
+RANKING = """def shortest_first(prompt, responses, answer):
+    order = sorted(range(len(responses)), key=lambda i: (len(responses[i]), i))
+    return [1.0 - order.index(i) / max(len(responses) - 1, 1) for i in range(len(responses))]
+
+
+def too_few(prompt, responses, answer):
+    return [1.0]
+"""
+
+
+def test_a_group_scope_component_scores_the_whole_group_once():
+    calls = []
+
+    def listwise(prompt, responses, answer):
+        calls.append(list(responses))
+        return [float(len(r)) for r in responses]
+
+    parts = Components([("exact", 1.0, lambda p, r, a: float(r == a)), ("list", 0.5, listwise),
+                        ("broken", 0.0, lambda p, rs, a: [1.0])], grouped=frozenset({"list", "broken"}))
+    scores = parts.score_group("q", ["12", "3", "12x"], "12")
+    assert calls == [["12", "3", "12x"]]  # once, with every response
+    assert [s.settle() for s in scores] == [1.0 + 0.5 * 2, 0.5 * 1, 0.5 * 3]
+    assert all(s.codes[2] == 1 and "returned 1 scores for 3 responses" in s.notes[2] for s in scores)
+    with pytest.raises(ConfigError, match="scope: group"):
+        build_config({"reward": {"components": [{"name": "t", "reward": "task", "scope": "group"}]}})
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("executor", ["process", "thread"])
+def test_each_prompts_group_goes_to_a_group_scorer_together(demo_model, tmp_path, executor):
+    path = tmp_path / "ranking.py"
+    path.write_text(RANKING)
+    _, rollout, groups = two_groups(demo_model, executor, [
+        {"name": "exact", "reward": "task"},
+        {"name": "rank", "reward": f"{path}:shortest_first", "weight": 0.5, "scope": "group"},
+        {"name": "few", "reward": f"{path}:too_few", "weight": 0.0, "scope": "group"}])
+    for g in groups:
+        texts = [rollout.prompt_format.response_text(r.tokens) for r in g.responses()]
+        order = sorted(range(4), key=lambda i: (len(texts[i]), i))
+        np.testing.assert_allclose(g.components[:, 1], [1.0 - order.index(i) / 3 for i in range(4)], rtol=1e-6)
+        np.testing.assert_allclose(g.rewards, g.components[:, 0] + 0.5 * g.components[:, 1], rtol=1e-6)
+        assert (g.component_failures[:, 2] == 1).all() and len(g.unscorable) == 0
