@@ -2,14 +2,13 @@
 
 Each component is a reward function (a built-in, `module:function`, `file.py:function`,
 `task`: the task's own reward, or `reward_model`: a learned one, rewards/reward_model.py)
-with a weight; the sample's reward is the weighted
-sum. A component of `scope: group` scores a prompt's whole group at once,
-`f(prompt, responses, answer, **fields)` -> a score per response (a pairwise or listwise
-judge): each call is then a group. A component of weight 0 is scored and logged but
-trained on by nobody: a
-verifiable reward watching a learned one. Every component of a sample is called, each
-timed and guarded on its own, so that a failed one does not hide the others' values;
-the sample fails (unscorable, or reward.fallback) only when a weighted one failed.
+with a weight; the sample's reward is the weighted sum. A component of `scope: group`
+scores a prompt's whole group at once, `f(prompt, responses, answer, **fields)` -> a
+score per response (a pairwise or listwise judge): each call is then a group. A
+component of weight 0 is scored and logged but trained on by nobody: a verifiable
+reward watching a learned one. Every component of a sample is called, each timed and
+guarded on its own, so that a failed one does not hide the others' values; the sample
+fails (unscorable, or reward.fallback) only when a weighted one failed.
 
 The values travel to the learner per sample and component (wire `components`,
 `component_ms`, `component_failures`: 0, or 1 + the FAILURE_REASONS index; a failed

@@ -17,7 +17,7 @@ import time
 import traceback
 
 from async_rl.rewards import frames
-from async_rl.rewards.components import Components, ComponentScores
+from async_rl.rewards.components import Components, ComponentScores, components_from_config
 from async_rl.rewards.outcome import Failed, as_reward, failure_note
 
 _PR_SET_PDEATHSIG = 1
@@ -35,7 +35,6 @@ def _die_with_parent() -> None:
 def _build(hello: dict):
     from pydantic import TypeAdapter
 
-    from async_rl.rewards.components import components_from_config
     from async_rl.tasks import reward_from_config
     from async_rl.tasks.config import TaskConfig
 
