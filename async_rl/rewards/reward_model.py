@@ -8,9 +8,10 @@ output at the last token (transformers' own pooling: the last token that is not
 padding). Batches are padded on the right, so each row's score is its own.
 
 A reward component (`reward: reward_model`, `model: PATH`) runs it in the reward's
-worker processes (one copy per worker, float32, one torch thread each), which score a
-chunk of calls in batches of `batch_size` (rewards/worker.py); in the actor's thread
-(`reward.executor: thread`) it scores one sample at a time.
+worker processes (one float32 copy per worker), which score a chunk of calls in batches
+of 8 on one torch thread, or a prompt's group at a time beside a group-scope component
+(rewards/worker.py); in the actor's thread (`reward.executor: thread`) it scores one
+sample at a time.
 """
 from __future__ import annotations
 
