@@ -34,12 +34,15 @@ On stdout, markdown tables:
     for the actors to start, left out like step 1 above; --include-startup keeps them). Time inside nested or
     overlapping spans counts once, for the innermost (latest started) span; time in no
     span is "untracked". "wait" is wait-for-data on the learner and wait-for-admission on
-    actors.
+    actors. An actor's shares are its main thread's: with reward.in_flight > 0 its score
+    and push spans run in its scorer thread, beside the next generate, and are left out
+    of the tables and figures (trace.json keeps them).
   * Actor idle (trace), one row per actor track: its wall time and wait-for-admission share.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import sys
 from pathlib import Path
@@ -353,6 +356,20 @@ def plot_compare(runs: list[Run], path: Path, smooth: int | None) -> Path:
     return save_figure(plt, fig, path)
 
 
+SCORER_SPANS = ("score", "push")  # an actor's scorer thread's, when it scores off the generation path
+
+
+def main_threads(run: Run) -> Run:
+    """`run` with only its actors' main-thread spans: with reward.in_flight > 0 (its
+    default; runs from before the setting scored on the path) score and push overlap the
+    next generate in another thread."""
+    in_flight = (run.cfg.get("reward") or {}).get("in_flight", 0)
+    if not run.trace or not in_flight:
+        return run
+    return dataclasses.replace(run, trace=[s for s in run.trace
+                                           if not (track_role(s.track) == "actor" and s.name in SCORER_SPANS)])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(parser)
@@ -362,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = load_runs(args.runs)
     if runs is None:
         return 1
+    runs = [main_threads(run) for run in runs]
     print("## Throughput\n")
     print(throughput_table(runs))
     traced = [r for r in runs if r.trace]
