@@ -37,7 +37,8 @@ def test_a_run_writes_a_timeline_of_learner_and_actor(observed):
     # One wall clock: the tracks line up.
     start, end = min(s.start_s for s in learner), max(s.start_s + s.dur_s for s in learner)
     assert all(start - 60 < s.start_s < end + 60 and s.dur_s >= 0 for s in actor)
-    assert {s.name for s in actor} <= {"generate", "score", "push", "sync", "wait-for-admission", "eval"}
+    assert {s.name for s in actor} <= {"generate", "score", "push", "sync", "wait-for-admission", "wait-for-rewards",
+                                       "eval"}
     # An actor's spans reach the learner with its heartbeats (one a second: this whole run
     # may take less) and, all it still holds, on its request socket just before its
     # goodbye. The end of a run waits for goodbyes a bounded time only: on a loaded machine
