@@ -73,6 +73,15 @@ def task_of(cfg: Config):
         raise ConfigError(line if line.startswith("task.") else f"task: {line}") from None
 
 
+def absolute_spec(spec: str) -> str:
+    """A `file.py:function` spec with the file's path made absolute (every spawned process
+    finds it, whatever its working directory); other specs as they are."""
+    if ".py:" in spec and not Path(spec.rsplit(":", 1)[0]).is_absolute():
+        file, fn = spec.rsplit(":", 1)
+        return f"{Path(file).resolve()}:{fn}"
+    return spec
+
+
 def check_task(cfg: Config) -> None:
     """Build the task, its prompt format and its reward as every process will, and call
     the reward on a sample, so that user code and data fail here in one line (exit 2)
@@ -83,9 +92,8 @@ def check_task(cfg: Config) -> None:
     # script's own directory, not the working directory).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    if spec and ".py:" in spec and not Path(spec.rsplit(":", 1)[0]).is_absolute():
-        file, fn = spec.rsplit(":", 1)
-        cfg.task.reward = f"{Path(file).resolve()}:{fn}"
+    if spec:
+        cfg.task.reward = spec = absolute_spec(spec)
     if getattr(cfg.task, "name", None) == "dataset":  # every process reads it from the same place
         cfg.task.path = str(Path(cfg.task.path).resolve())
     task = task_of(cfg)
@@ -135,9 +143,7 @@ def check_components(cfg: Config) -> None:
                 raise ConfigError(f"{where}: model {component.model!r} is not a model directory (no config.json)")
             component.model = str(Path(component.model).resolve())
         elif component.reward != "task":
-            if ".py:" in component.reward and not Path(component.reward.rsplit(":", 1)[0]).is_absolute():
-                file, fn = component.reward.rsplit(":", 1)
-                component.reward = f"{Path(file).resolve()}:{fn}"
+            component.reward = absolute_spec(component.reward)
             try:
                 load_reward_fn(component.reward)
             except ValueError as err:
@@ -150,10 +156,7 @@ def check_environment(cfg: Config, task, prompt_format) -> None:
     from async_rl.actor.environments.registry import environment_factory
     from async_rl.actor.rollout.turns import TurnFormat
 
-    name = cfg.env.name
-    if ".py:" in name and not Path(name.rsplit(":", 1)[0]).is_absolute():
-        file, fn = name.rsplit(":", 1)
-        cfg.env.name = f"{Path(file).resolve()}:{fn}"
+    cfg.env.name = name = absolute_spec(cfg.env.name)
     try:
         factory = environment_factory(cfg.env.name, task, cfg.env.options, cfg.env.max_turns)
         TurnFormat(prompt_format).text([{"role": "user", "content": "x"}])
