@@ -82,6 +82,17 @@ class RunHealth:
         log.warning(message)
         return message
 
+    def check_steps(self, step: int, advantage: str) -> str | None:
+        """The first step whose reward came step by step under an estimator that uses
+        only each sample's reward: one line (returned, already logged)."""
+        if advantage == "grpo_process" or "steps" in self.warned:
+            return None
+        self.warned.add("steps")
+        message = (f"step {step}: the reward gives step rewards, which train.advantage.name={advantage} leaves "
+                   "unused (it trains on each sample's reward); train.advantage.name=grpo_process trains on them")
+        log.warning(message)
+        return message
+
     def check(self, rewards: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, group_size: int) -> list[str]:
         """Feed one batch (per-sample rewards, response lengths and truncation flags, in
         whole groups); returns the warnings issued now (already logged)."""

@@ -71,6 +71,10 @@ def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float,
                         "env/observations_cut": sum(g.observations_cut for g in groups)})
         health.check_observations(learner_version + 1, metrics["env/observations_cut"], cfg.env.name,
                                   cfg.env.max_tokens)
+    stepped = [g for g in groups if len(g.step_ends) and not len(g.policy_mask)]
+    if stepped:  # a reward that scores step by step (a process reward)
+        metrics["reward/steps_mean"] = sum(len(g.step_ends) for g in stepped) / sum(len(g.rewards) for g in stepped)
+        health.check_steps(learner_version + 1, cfg.train.advantage.name)
     texts = dumped = None
     if cfg.metrics.text_every and (learner_version + 1) % cfg.metrics.text_every == 0:
         texts = {"samples/generations": generations_table(groups, prompt_format)}

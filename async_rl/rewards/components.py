@@ -8,7 +8,9 @@ score per response (a pairwise or listwise judge): each call is then a group. A
 component of weight 0 is scored and logged but trained on by nobody: a verifiable
 reward watching a learned one. Every component of a sample is called, each timed and
 guarded on its own, so that a failed one does not hide the others' values; the sample
-fails (unscorable, or reward.fallback) only when a weighted one failed.
+fails (unscorable, or reward.fallback) only when a weighted one failed. A component
+may score step by step (StepRewards): the sample's steps are then the weighted steps
+of every weighted component, one without steps counting its value at the response's end.
 
 The values travel to the learner per sample and component (wire `components`,
 `component_ms`, `component_failures`: 0, or 1 + the FAILURE_REASONS index; a failed
@@ -22,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from async_rl.rewards.outcome import Failed, as_reward, failure_note
+from async_rl.rewards.outcome import RESPONSE_END, Failed, StepRewards, as_outcome, failure_note
 from async_rl.rewards.reward_model import REWARD_MODEL, RewardModel
 from async_rl.wire.messages import FAILURE_REASONS
 
@@ -32,25 +34,38 @@ TASK_REWARD = "task"  # a component's `reward` that means the task's own
 @dataclass
 class ComponentScores:
     """One sample's components: values (0 where failed), milliseconds, failure codes
-    (0 = scored, 1 + FAILURE_REASONS index) and notes, in the components' order."""
+    (0 = scored, 1 + FAILURE_REASONS index), notes, and the step rewards of those that
+    gave them ((end, reward) pairs, rewards/outcome.py StepRewards), in the components' order."""
     names: list[str]
     weights: list[float]
     values: list[float]
     ms: list[float]
     codes: list[int]
     notes: list[str]
+    steps: list[list[tuple[int, float]] | None] | None = None
 
-    def settle(self) -> float | Failed:
-        """The weighted sum; the first failure of a weighted component when there is one."""
+    def settle(self) -> float | StepRewards | Failed:
+        """The weighted sum; the first failure of a weighted component when there is one.
+        When a weighted component gave step rewards, the sum comes with the weighted
+        steps of all of them, a component without steps giving its value at the
+        response's end."""
         for name, weight, code, note in zip(self.names, self.weights, self.codes, self.notes):
             if code and weight != 0.0:
                 return Failed(FAILURE_REASONS[code - 1], f"component {name}: {note}")
-        return math.fsum(w * v for w, v in zip(self.weights, self.values) if w != 0.0)
+        total = math.fsum(w * v for w, v in zip(self.weights, self.values) if w != 0.0)
+        steps = self.steps or [None] * len(self.names)
+        if not any(s is not None and w != 0.0 for s, w in zip(steps, self.weights)):
+            return total
+        by_end: dict[int, float] = {}
+        for weight, value, own in zip(self.weights, self.values, steps):
+            for end, reward in (own if own is not None else [(RESPONSE_END, value)]) if weight != 0.0 else []:
+                by_end[end] = by_end.get(end, 0.0) + weight * reward
+        return StepRewards(sorted(by_end.items()), total)
 
     def reply(self) -> dict:
         """As a reward worker sends it."""
         return {"components": self.values, "component_ms": self.ms, "component_codes": self.codes,
-                "component_notes": self.notes}
+                "component_notes": self.notes, "component_steps": self.steps or [None] * len(self.names)}
 
     @classmethod
     def from_reply(cls, reply: dict, names: list[str], weights: list[float]) -> ComponentScores:
@@ -63,8 +78,19 @@ class ComponentScores:
             return [v if isinstance(v, kind) else default for v in values]
 
         codes = [c if 0 <= c <= len(FAILURE_REASONS) else 1 for c in column("component_codes", int, 1)]
-        return cls(names, weights, column("components", float, 0.0), column("component_ms", float, 0.0),
-                   codes, [str(note) for note in column("component_notes", str, "")])
+        values = column("components", float, 0.0)
+        steps: list = column("component_steps", list, None)
+        for j, own in enumerate(steps):  # a worker's steps are checked again: nothing it says is trusted
+            if own is None or codes[j]:
+                steps[j] = None
+                continue
+            try:
+                checked = as_outcome(StepRewards([tuple(pair) for pair in own], values[j]))
+                steps[j] = list(checked.steps)
+            except (Failed, TypeError):
+                steps[j], codes[j], values[j] = None, 1 + FAILURE_REASONS.index("not_a_number"), 0.0
+        return cls(names, weights, values, column("component_ms", float, 0.0),
+                   codes, [str(note) for note in column("component_notes", str, "")], steps)
 
 
 class Components:
@@ -103,6 +129,7 @@ class Components:
         by call."""
         n = len(calls)
         values = [[0.0] * len(self.functions) for _ in range(n)]
+        steps: list[list] = [[None] * len(self.functions) for _ in range(n)]
         ms = [[0.0] * len(self.functions) for _ in range(n)]
         codes = [[0] * len(self.functions) for _ in range(n)]
         notes = [[""] * len(self.functions) for _ in range(n)]
@@ -110,7 +137,11 @@ class Components:
         def record(i: int, j: int, run) -> None:
             start = time.perf_counter()
             try:
-                values[i][j] = as_reward(run())
+                outcome = as_outcome(run())
+                if isinstance(outcome, StepRewards):
+                    values[i][j], steps[i][j] = outcome.value, list(outcome.steps)
+                else:
+                    values[i][j] = outcome
             except Exception as err:  # noqa: BLE001 - a component's failure is data
                 failure = err if isinstance(err, Failed) else Failed("raised", f"raised {type(err).__name__}: {err}")
                 codes[i][j], notes[i][j] = 1 + FAILURE_REASONS.index(failure.reason), failure_note(failure)
@@ -138,7 +169,8 @@ class Components:
                 continue
             for i, (prompt, response, answer, fields) in enumerate(calls):
                 record(i, j, lambda: fn(prompt, response, answer, **fields))  # noqa: B023 - called at once
-        return [ComponentScores(self.names, self.weights, values[i], ms[i], codes[i], notes[i]) for i in range(n)]
+        return [ComponentScores(self.names, self.weights, values[i], ms[i], codes[i], notes[i], steps[i])
+                for i in range(n)]
 
     def failed_whole(self, failure: Failed) -> ComponentScores:
         """Every component failed at once (the call ran past reward.timeout_s, its worker died)."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from async_rl.rewards import frames
 from async_rl.rewards.components import ComponentScores
-from async_rl.rewards.outcome import Failed
+from async_rl.rewards.outcome import Failed, StepRewards, as_outcome
 
 log = logging.getLogger("async_rl.reward")
 
@@ -117,7 +117,7 @@ class RewardPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def score(self, calls: list[Call]) -> list[float | Failed | ComponentScores]:
+    def score(self, calls: list[Call]) -> list[float | StepRewards | Failed | ComponentScores]:
         """Each call's reward (its components' scores, with `components`), or its failure, in order."""
         outcomes: list[float | Failed | None] = [None] * len(calls)
         todo = deque(range(len(calls)))
@@ -235,7 +235,12 @@ class RewardPool:
         if self.component_names and "components" in answer:
             return ComponentScores.from_reply(answer, self.component_names, self.component_weights)
         if "value" in answer and isinstance(answer["value"], float) and math.isfinite(answer["value"]):
-            return answer["value"]
+            if "steps" not in answer:
+                return answer["value"]
+            try:  # checked again: nothing a worker says is trusted
+                return as_outcome(StepRewards([tuple(step) for step in answer["steps"]], answer["value"]))
+            except (Failed, TypeError) as failure:
+                return failure if isinstance(failure, Failed) else Failed("not_a_number", "steps are not pairs")
         reason = answer.get("failure") if answer.get("failure") in ("raised", "timeout", "non_finite",
                                                                     "not_a_number") else "raised"
         failure = Failed(reason, str(answer.get("note", "failed in its worker")))

@@ -18,7 +18,7 @@ import traceback
 
 from async_rl.rewards import frames
 from async_rl.rewards.components import Components, ComponentScores, components_from_config
-from async_rl.rewards.outcome import Failed, as_reward, failure_note
+from async_rl.rewards.outcome import Failed, StepRewards, as_outcome, failure_note
 
 _PR_SET_PDEATHSIG = 1
 TRACEBACK_CHARS = 4000
@@ -52,7 +52,7 @@ def _score(reward, request: dict) -> dict:
             reply: dict = {"group": [scored.reply() for scored in scores]}
         else:
             value = reward(request["prompt"], request["response"], request["answer"], **request["fields"])
-            reply = value.reply() if isinstance(value, ComponentScores) else {"value": as_reward(value)}
+            reply = value.reply() if isinstance(value, ComponentScores) else _reply(as_outcome(value))
     except Failed as failure:
         reply = {"failure": failure.reason, "note": failure_note(failure)}
     except Exception as err:
@@ -60,6 +60,12 @@ def _score(reward, request: dict) -> dict:
                  "traceback": traceback.format_exc()[-TRACEBACK_CHARS:]}
     reply["id"], reply["seconds"] = request["id"], time.perf_counter() - start
     return reply
+
+
+def _reply(outcome: float | StepRewards) -> dict:
+    if isinstance(outcome, StepRewards):
+        return {"value": outcome.value, "steps": [list(step) for step in outcome.steps]}
+    return {"value": outcome}
 
 
 def _score_batch(reward: Components, calls: list[dict]) -> list[dict]:

@@ -17,7 +17,8 @@ prompt-length check and the logged samples can never disagree:
   token in only one of them (Qwen2.5 and Llama 3 put it in generation_config), and a
   model that never stops spends every response at the length limit.
 - **Response text**: rewards get the decoded response without special tokens; logs keep
-  them and mark a response cut at the length limit, so the two cases look different.
+  them and mark a response cut at the length limit, so the two cases look different. A
+  reward's step ends, offsets in that text, fall on the tokens whose text reaches them.
 """
 from __future__ import annotations
 
@@ -71,6 +72,27 @@ class PromptFormat:
     def response_text(self, tokens: Sequence[int]) -> str:
         """What a reward function scores: the response without special tokens."""
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def token_ends(self, tokens: Sequence[int], char_ends: Sequence[int]) -> list[int]:
+        """Where in `tokens` each character offset of their `response_text` falls: the
+        first token whose text reaches it (a binary search over decoded prefixes); an
+        offset at or past the text's end is the last token, special tokens included."""
+        tokens = list(tokens)
+        length = len(self.response_text(tokens))
+        ends = []
+        for end in char_ends:
+            if end >= length:
+                ends.append(len(tokens) - 1)
+                continue
+            lo, hi = 0, len(tokens) - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if len(self.response_text(tokens[:mid + 1])) >= end:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            ends.append(lo)
+        return ends
 
     def display(self, tokens: Sequence[int], truncated: bool) -> str:
         """For logs and TensorBoard: special tokens kept, a cut response marked."""

@@ -2,6 +2,8 @@
 beside it (a learned source, scored in batches in the reward's workers), a listwise
 scorer of each prompt's whole group, and a watcher of weight 0 that always fails; each
 is logged on its own, and the watcher's failures leave every sample scorable."""
+import json
+
 from conftest import read_metrics, train
 
 WATCHER = """def judge(prompt, response, answer):
@@ -31,3 +33,30 @@ def test_a_run_trains_on_weighted_components_and_logs_each(tmp_path, demo_model,
         assert step["reward/judge/unscorable_frac"] == 0.0 and step["reward/unscorable_frac"] == 0.0
         assert step["reward/errors"] == 0  # a watcher's failures are its own, not the sample's
         assert step["reward/shortest/error_frac"] == 0.0 and 0 < step["reward/shortest/mean"] <= 1
+
+
+PROCESS = """from async_rl.rewards import StepRewards
+
+
+def digits(prompt, response, answer):
+    # A step per character; a digit of the answer is worth 1.
+    return StepRewards([(i + 1, float(c in answer)) for i, c in enumerate(response)] or [(1, 0.0)], value=0.0)
+"""
+
+
+def test_a_component_that_scores_step_by_step_trains_grpo_process(tmp_path, demo_model):
+    process = tmp_path / "process.py"
+    process.write_text(PROCESS)
+    run = tmp_path / "run"
+    proc = train(run, demo_model, "train.max_steps=2", "eval.every=0", "train.advantage.name=grpo_process",
+          "metrics.samples_every=1", f"reward.components=[{{name: exact, reward: task}}, "
+                                     f"{{name: digits, reward: '{process}:digits', weight: 0.5}}]")
+    steps, _ = read_metrics(run)
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["reward/steps_mean"] >= 1 and s["reward/digits/error_frac"] == 0.0 for s in steps)
+    dumped = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    for sample in dumped:
+        assert sample["step_ends"] and len(sample["step_ends"]) == len(sample["step_rewards"])
+        assert sample["step_ends"][-1] == len(sample["response_ids"]) - 1  # the task's reward: the last token
+    logs = proc.stderr + "".join(log.read_text() for log in (run / "logs").glob("*"))
+    assert "leaves unused" not in logs and "step rewards" not in logs

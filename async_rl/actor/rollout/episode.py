@@ -3,8 +3,9 @@ between them, and what the learner needs of each token.
 
 Every response is an episode. A single-turn one (no environment) is one policy turn,
 scored at its end by the task's reward, also when cut at the length limit; it becomes
-a plain response of the sample format (wire.Response): no mask, no steps. A multi-turn
-one's response (everything after the prompt) carries `policy_mask` 1 on the policy's
+a plain response of the sample format (wire.Response): no mask, and no steps unless its
+reward scored it step by step (rewards/outcome.py StepRewards). A multi-turn one's
+response (everything after the prompt) carries `policy_mask` 1 on the policy's
 tokens, whose log-probs and versions are the engine's; 0 on the environment's, with
 log-prob 0 and the version of the policy token before them (so they never make the
 episode look older than its oldest policy token, which is its version). Each rewarded
@@ -69,9 +70,18 @@ class Episode:
         if not self.environment:  # single-turn: the one turn is the episode
             self.done = True
 
-    def score(self, reward: float) -> None:
-        """A single-turn episode's reward, given by the task's reward function."""
+    def score(self, reward: float, step_ends: list[int] | None = None, step_rewards: list[float] | None = None) -> None:
+        """A single-turn episode's reward, given by the task's reward function, and the
+        rewards of its steps when the reward gave them (`step_ends`: token offsets in the
+        response, in order; steps ending on the same token are one step, their rewards summed)."""
         self.reward = float(reward)
+        self.step_ends, self.step_rewards = [], []
+        for end, step_reward in zip(step_ends or [], step_rewards or []):
+            if self.step_ends and self.step_ends[-1] == end:
+                self.step_rewards[-1] += float(step_reward)
+            else:
+                self.step_ends.append(int(end))
+                self.step_rewards.append(float(step_reward))
 
     def add_environment_turn(self, turn: Turn, tokens: list[int]) -> None:
         """The environment's answer to the last policy turn, and its tokens (`tokens`:
@@ -95,15 +105,15 @@ class Episode:
         """Its environment (or, single-turn, its reward: `failed_in`) failed for `reason`
         (the guard counted it), as `note` says: the episode ends, scored `reward`."""
         self.reward, self.failure, self.failed_in, self.failure_note = reward, reason, failed_in, note
-        self.step_ends, self.step_rewards = ([len(self.tokens) - 1], [reward]) if self.tokens else ([], [])
+        at_end = self.environment and self.tokens  # a single-turn one's reward is its last token's anyway
+        self.step_ends, self.step_rewards = ([len(self.tokens) - 1], [reward]) if at_end else ([], [])
         self.done = True
 
     def response(self) -> Response:
         tokens = np.asarray(self.tokens, np.int32)
         logprobs, versions = np.asarray(self.logprobs, np.float32), np.asarray(self.versions, np.int32)
-        if not self.environment:
-            return Response(tokens, logprobs, versions)
         has_steps = bool(self.step_ends)
-        return Response(tokens, logprobs, versions, policy_mask=np.asarray(self.mask, np.uint8),
+        return Response(tokens, logprobs, versions,
+                        policy_mask=np.asarray(self.mask, np.uint8) if self.environment else None,
                         step_ends=np.asarray(self.step_ends, np.int32) if has_steps else None,
                         step_rewards=np.asarray(self.step_rewards, np.float32) if has_steps else None)

@@ -30,7 +30,7 @@ from async_rl.actor.rollout.episodes import Environments, Limits, Sampling, run_
 from async_rl.actor.rollout.turns import TurnFormat
 from async_rl.config import Config
 from async_rl.rewards.components import Components, ComponentScores, components_from_config
-from async_rl.rewards.outcome import Failed, as_reward, failure_note
+from async_rl.rewards.outcome import Failed, StepRewards, as_outcome, failure_note
 from async_rl.rewards.pool import Call as RewardCall
 from async_rl.rewards.pool import RewardPool
 from async_rl.run.tracing import SpanRecorder
@@ -236,7 +236,7 @@ class Rollout:
             outcomes = dict(enumerate(self.reward_pool.score(
                 [RewardCall(p.text, text, p.answer, p.fields) for (p, _), text in zip(pairs, texts)])))
         else:
-            reward, check = (self.components, None) if self.components is not None else (self.task.reward, as_reward)
+            reward, check = (self.components, None) if self.components is not None else (self.task.reward, as_outcome)
             calls = Calls()
             calls.submit([Call(i, self.reward, functools.partial(reward, **p.fields), (p.text, text, p.answer), check)
                           for i, ((p, _), text) in enumerate(zip(pairs, texts))])
@@ -268,5 +268,8 @@ class Rollout:
             outcome = ep.components.settle()
         if isinstance(outcome, Failed):
             ep.fail(self.reward.failed(outcome), outcome.reason, "reward", failure_note(outcome))
+        elif isinstance(outcome, StepRewards) and ep.tokens:
+            ends = self.prompt_format.token_ends(ep.tokens, [end for end, _ in outcome.steps])
+            ep.score(outcome.value, ends, [reward for _, reward in outcome.steps])
         else:
-            ep.score(outcome)
+            ep.score(outcome.value if isinstance(outcome, StepRewards) else outcome)
