@@ -202,20 +202,24 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         # goodbye (it would count as a message from an unknown actor; late spans do not).
         stop.set()
         beat.join(timeout=5)
-        if scorer is not None:  # the grant being scored reaches the hub before our goodbye re-issues it
-            scorer.close(wait_s=cfg.reward.timeout_s + 5)
+        # The grant being scored reaches the hub before our goodbye re-issues it.
+        stuck = scorer is not None and not scorer.close(wait_s=cfg.reward.timeout_s + 5)
+        if stuck:
+            log.warning("actor %d leaving with its scorer thread still at work after %.0fs (a push the hub does "
+                        "not take); its groups are re-issued", actor_id, cfg.reward.timeout_s + 5)
         while len(spans):  # best effort, like the goodbye: the spans since the last heartbeat
             _ship_spans(hub.sock, actor_id, spans, flags=zmq.NOBLOCK)
         try:  # best effort: the hub re-issues our prompts now instead of after the heartbeat timeout
             send(hub.sock, Goodbye(reason="leaving", actor_id=actor_id), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
-        if push is not None:
+        if push is not None and not stuck:  # a stuck thread's socket is its own (scoring.py)
             push.close()
-        if rollout is not None:
+        if rollout is not None and not stuck:
             rollout.close()
         hub.close(linger_ms=1000)  # lets the goodbye out
-        ctx.term()
+        if not stuck:  # term() would wait forever for the stuck thread's socket: the exit ends both
+            ctx.term()
 
 
 def _register_again(hub: HubClient, name: str, state: dict) -> int:

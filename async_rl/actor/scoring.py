@@ -12,7 +12,9 @@ The thread owns the experience socket (ZeroMQ sockets are not thread-safe): eval
 results go out through it too (`send`), in order. A failure in the thread (a push past
 transport.timeout_s, a reward pool that cannot restart a worker) is raised in the actor
 at its next call. Grants still queued when the actor leaves are dropped, not scored:
-the hub re-issues a departed actor's grants, so no admitted prompt is lost.
+the hub re-issues a departed actor's grants, so no admitted prompt is lost. A thread
+still at work when the actor has waited for it keeps its socket: the actor leaves
+without closing it, and the process's exit ends the thread.
 """
 from __future__ import annotations
 
@@ -61,20 +63,31 @@ class Scorer:
     def drop_pending(self) -> None:
         """Forget the queued grants (their prompts were re-issued to others); the one being
         scored still goes out (the hub refuses it as no longer granted)."""
+        stopping = False
         while True:
             try:
-                self._jobs.get_nowait()
+                job = self._jobs.get_nowait()
             except queue.Empty:
-                return
+                break
+            if job is None:  # close's stop sign holds no slot, and stays last
+                stopping = True
+                continue
             self._slots.release()
+        if stopping:
+            self._jobs.put(None)
 
-    def close(self, wait_s: float) -> None:
-        """Drop what is queued, let the grant being scored finish (up to `wait_s`), stop."""
+    def close(self, wait_s: float) -> bool:
+        """Drop what is queued, let the grant being scored finish (up to `wait_s`), stop.
+        False when the thread is still at work (scoring, or blocked pushing to a hub that
+        does not take): its socket is then the thread's still, and must not be closed
+        from another thread (ZeroMQ sockets are not thread-safe)."""
         self._dropping = True
         self.drop_pending()
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout=wait_s)
+        if self._thread is None:
+            return True
+        self._jobs.put(None)
+        self._thread.join(timeout=wait_s)
+        return not self._thread.is_alive()
 
     def _run(self, job: Callable[[], None]) -> None:
         self._raise_failure()

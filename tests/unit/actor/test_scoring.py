@@ -137,3 +137,15 @@ def test_leaving_drops_the_queued_grants(setup):
     assert [received(pull).group for _ in range(2)] == [0, 1]
     scorer.close(wait_s=10)
     assert pull.poll(300) == 0 and state["generated"] == 2
+
+
+def test_closing_says_whether_the_thread_stopped_so_its_socket_is_left_to_it(setup):
+    make, rollout, pull, gate = setup
+    scorer, state, _ = make(in_flight=1)
+    scorer.score(rollout.generate(grant(0), actor_id=0))
+    while scorer.queued:  # until it is being scored: the gated reward holds the thread
+        time.sleep(0.01)
+    assert scorer.close(wait_s=0.2) is False  # still at work: the actor must not close its socket
+    gate.touch()
+    assert [received(pull).group for _ in range(2)] == [0, 1]  # the grant being scored still goes out
+    assert scorer.close(wait_s=10) is True
