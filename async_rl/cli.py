@@ -1,4 +1,4 @@
-"""Command line: `async-rl train`, `async-rl sft`, `async-rl eval`, `async-rl prepare`, `async-rl actor`,
+"""Command line: `async-rl train`, `async-rl sft`, `async-rl rm`, `async-rl eval`, `async-rl prepare`, `async-rl actor`,
 `async-rl keys`, `async-rl config-doc`, `async-rl convert-gguf`."""
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
                                        "`train` starts from (model.path=RUN_DIR/model)")
     p_sft.add_argument("config", help="YAML config file (see configs/)")
     p_sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.data=demos.jsonl sft.epochs=3")
+    p_rm = sub.add_parser("rm", help="a reward model from preference pairs (rm.data=FILE): writes a model a "
+                                     "`reward_model` component scores with (RUN_DIR/model)")
+    p_rm.add_argument("config", help="YAML config file (see configs/)")
+    p_rm.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rm.data=pairs.jsonl rm.epochs=2")
     p_eval = sub.add_parser("eval", help="score a model directory (a run's final/, a base model) on the config's "
                                          "held-out prompts, as the run's actors evaluate: one JSON line")
     p_eval.add_argument("config", help="YAML config file (see configs/)")
@@ -114,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(scored.line), *scored.shown, sep="\n", flush=True)
             return 0
         cfg = load_config(args.config, args.overrides)
-        if args.command == "sft":
+        if args.command in ("sft", "rm"):
+            from async_rl.rm.run import RM
+            from async_rl.run.offline import launch
             from async_rl.run.processes import exit_now
-            from async_rl.sft.run import launch
+            from async_rl.sft.run import SFT
 
-            exit_now(launch(cfg))  # one rank trains in this process, which held a gloo group: see exit_now
+            # One rank trains in this process, which held a gloo group: see exit_now.
+            exit_now(launch(cfg, {"sft": SFT, "rm": RM}[args.command]))
         from async_rl.run.launcher import prepare, train
 
         if args.command == "prepare":

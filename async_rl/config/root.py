@@ -10,6 +10,7 @@ from async_rl.config.section import Section
 from async_rl.coordinator.config import EvalConfig
 from async_rl.learner.config import CheckpointConfig, LearnerConfig, TrainConfig
 from async_rl.models.config import ModelConfig
+from async_rl.rm.config import RMConfig
 from async_rl.run.config import MetricsConfig
 from async_rl.sft.config import SFTConfig
 from async_rl.tasks.config import ArithmeticConfig, TaskConfig
@@ -35,6 +36,8 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig,
                            description="Supervised warm start on demonstrations (`async-rl sft`).")
+    rm: RMConfig = Field(default_factory=RMConfig,
+                         description="A reward model trained on preference pairs (`async-rl rm`).")
     transport: TransportConfig = Field(default_factory=TransportConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
 

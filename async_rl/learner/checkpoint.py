@@ -225,12 +225,15 @@ def read_groups(path: Path) -> list[tuple[int, int, object]]:
     return groups
 
 
-def save_hf_model(params, source: str | Path, tokenizer, out_dir: Path, dtype: torch.dtype | None = None) -> None:
+def save_hf_model(params, source: str | Path, tokenizer, out_dir: Path, dtype: torch.dtype | None = None,
+                  config=None, extra: dict[str, str] | None = None) -> None:
     """Write an HF model directory, atomically: the (name, full tensor) stream `params`
     (cast to `dtype` when given, and config.json saying so) as model.safetensors, with
     the config and generation config of the model directory `source` (the architecture
     the parameters belong to) and `tokenizer`. Tied weights appear once in `params` and
-    are re-tied on load, as `save_pretrained` does."""
+    are re-tied on load, as `save_pretrained` does. `config`: another config to write
+    (a reward model's, its architecture a head on `source`'s); `extra`: more files, by
+    name and text."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, GenerationConfig
 
@@ -239,11 +242,13 @@ def save_hf_model(params, source: str | Path, tokenizer, out_dir: Path, dtype: t
     tmp.mkdir(parents=True)
     tensors = {name: t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous() for name, t in params}
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-    config = AutoConfig.from_pretrained(str(source))
+    config = config if config is not None else AutoConfig.from_pretrained(str(source))
     config.dtype = dtype or next(iter(tensors.values())).dtype
     config.save_pretrained(tmp)
     if (Path(source) / "generation_config.json").exists():
         GenerationConfig.from_pretrained(str(source)).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    for name, text in (extra or {}).items():
+        (tmp / name).write_text(text)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)

@@ -23,11 +23,16 @@ less well; the line says so when the mismatch has stayed over the threshold for
 MISMATCH_STEPS steps, and again each time it doubles, and points at the corrections.
 
 An environment that answers with more text than its episodes can hold (an observation
-past env.max_tokens) is reported once too, naming the environment.
+past env.max_tokens) is reported once too, naming the environment; and **reward
+hacking**: the trained reward rising while a verifiable reward watching it at weight 0
+(reward.components) falls, each trend over HACKING_WINDOW steps past twice its standard
+error.
 """
 from __future__ import annotations
 
 import logging
+import math
+from collections import deque
 
 import numpy as np
 
@@ -40,6 +45,19 @@ EARLY_STEPS = 3  # when the early no-signal check reads the steps so far
 EARLY_NO_SIGNAL_SHARE = 0.8  # "most groups": the share of groups without signal that it reports
 
 
+HACKING_WINDOW = 20  # steps over which the trained reward's trend is set against a watched one's
+
+
+def _shift(values: list[float]) -> tuple[float, float, float]:
+    """(mean of the first half, of the second, the change when it exceeds twice its
+    standard error, else 0): a trend, not a step's noise."""
+    half = len(values) // 2
+    a, b = np.asarray(values[:half]), np.asarray(values[half:])
+    change = float(b.mean() - a.mean())
+    noise = 2.0 * math.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size)
+    return float(a.mean()), float(b.mean()), change if abs(change) > noise else 0.0
+
+
 class RunHealth:
     def __init__(self, steps: int, uses_chat_template: bool, max_new_tokens: int,
                  mismatch_threshold: float | None = None) -> None:
@@ -50,6 +68,7 @@ class RunHealth:
         self.mismatch_streak = 0  # steps in a row over the threshold
         # The first EARLY_STEPS steps: groups, groups without signal, rewards' sum, samples, cut samples.
         self.early = {"steps": 0, "groups": 0, "flat": 0, "reward": 0.0, "samples": 0, "cut": 0}
+        self.trend: deque[tuple[float, dict[str, float]]] = deque(maxlen=HACKING_WINDOW)
 
     def check_mismatch(self, step: int, stats: dict[str, float]) -> str | None:
         """Feed one step's figures; returns the mismatch warning issued now (already logged)."""
@@ -81,6 +100,32 @@ class RunHealth:
                    "env/observations_cut: shorten the environment's answers or raise env.max_tokens")
         log.warning(message)
         return message
+
+    def check_hacking(self, step: int, trained: float, watched: dict[str, float]) -> str | None:
+        """Feed a step's trained reward (the weighted sum) and the means of the weight-0
+        components watching it; one line, once, when over the last HACKING_WINDOW steps
+        the trained reward rose while a watched one fell, each by more than twice its
+        standard error (returned, already logged)."""
+        self.trend.append((trained, watched))
+        if len(self.trend) < HACKING_WINDOW or "hacking" in self.warned:
+            return None
+        before, after, rise = _shift([t for t, _ in self.trend])
+        if rise <= 0:
+            return None
+        for name in watched:
+            series = [w[name] for _, w in self.trend if name in w]
+            if len(series) < HACKING_WINDOW:
+                continue
+            was, now, fall = _shift(series)
+            if fall < 0:
+                self.warned.add("hacking")
+                message = (f"step {step}: the trained reward rose ({before:.3g} -> {after:.3g}) while reward/{name}, "
+                           f"watched at weight 0, fell ({was:.3g} -> {now:.3g}) over the last {HACKING_WINDOW} steps: "
+                           "the policy may be gaming the trained reward (reward hacking); the held-out eval/accuracy "
+                           "is scored by the task's own reward")
+                log.warning(message)
+                return message
+        return None
 
     def check_steps(self, step: int, advantage: str) -> str | None:
         """The first step whose reward came step by step under an estimator that uses

@@ -63,6 +63,10 @@ def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float,
         **version_mix(groups, learner_version),  # in-flight updates: actors/mixed_version_frac, ...
         "reward/error_frac": errors.frac,
         **component_metrics(cfg.reward.components, groups)}
+    watched = {c.name: metrics[f"reward/{c.name}/mean"] for c in cfg.reward.components
+               if c.weight == 0.0 and f"reward/{c.name}/mean" in metrics}
+    if watched:
+        health.check_hacking(learner_version + 1, metrics["train/reward_mean"], watched)
     if any(len(g.policy_mask) for g in groups):  # multi-turn episodes
         turns = policy_turns(groups)
         metrics.update({"env/turns_mean": float(turns.mean()), "env/turns_max": float(turns.max()),
@@ -85,20 +89,26 @@ def measure_step(cfg: Config, taken: Taken, learner_version: int, waited: float,
 
 
 def component_metrics(components, groups) -> dict[str, float]:
-    """Per reward.components entry, over the step's samples: its mean and latency p50/p95
-    (where it scored), the share of failed calls and their count per reason, and the share
-    of samples it left unscorable (its failures, when it carries weight)."""
+    """Per reward.components entry, over the step's samples: its mean, its correlation
+    with response length (a learned reward that pays for length is being gamed) and
+    latency p50/p95 (where it scored), the share of failed calls and their count per
+    reason, and the share of samples it left unscorable (its failures, when it carries
+    weight)."""
     carried = [g for g in groups if g.components.shape[1:] == (len(components),)]
     if not components or not carried:
         return {}
     values, ms = np.concatenate([g.components for g in carried]), np.concatenate([g.component_ms for g in carried])
     codes = np.concatenate([g.component_failures for g in carried])
+    lengths = np.concatenate([g.response_lengths for g in carried]).astype(np.float64)
     out: dict[str, float] = {}
     for i, component in enumerate(components):
         key, failed = f"reward/{component.name}", codes[:, i] > 0
         timed = ms[~failed, i]
         if (~failed).any():
             out[f"{key}/mean"] = float(values[~failed, i].mean())
+        scored_values, scored_lengths = values[~failed, i].astype(np.float64), lengths[~failed]
+        if scored_values.size > 2 and scored_values.std() > 0 and scored_lengths.std() > 0:
+            out[f"{key}/length_corr"] = float(np.corrcoef(scored_values, scored_lengths)[0, 1])
         if timed.size:
             p50, p95 = np.percentile(timed, [50, 95])
             out[f"{key}/latency_p50_ms"], out[f"{key}/latency_p95_ms"] = float(p50), float(p95)

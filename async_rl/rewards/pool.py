@@ -51,6 +51,7 @@ class Call:
     response: str | list[str]
     answer: str
     fields: dict = field(default_factory=dict)
+    task_only: bool = False  # the task's own reward, not reward.components (an evaluation)
 
 
 @dataclass
@@ -184,7 +185,7 @@ class RewardPool:
                 i = todo.popleft()
                 call = calls[i]
                 batch.append({"id": i, "prompt": call.prompt, "response": call.response, "answer": call.answer,
-                              "fields": call.fields})
+                              "fields": call.fields, "task_only": call.task_only})
             frame = self._frame(batch, outcomes)
             if frame is None:
                 continue

@@ -30,7 +30,7 @@ class RewardModel:
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.padding_side = "right"
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, torch_dtype=torch.float32).eval()
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {path}: a reward model has one output, this one has "
                              f"{self.model.config.num_labels} (num_labels)")

@@ -33,6 +33,7 @@ def _die_with_parent() -> None:
 
 
 def _build(hello: dict):
+    """(what scores a training call: the task's reward, or reward.components; the task's reward)"""
     from pydantic import TypeAdapter
 
     from async_rl.tasks import reward_from_config
@@ -40,8 +41,8 @@ def _build(hello: dict):
 
     reward = reward_from_config(TypeAdapter(TaskConfig).validate_python(hello["task"]), int(hello["seed"]))
     if hello.get("components"):
-        return components_from_config(hello["components"], reward)
-    return reward
+        return components_from_config(hello["components"], reward), reward
+    return reward, reward
 
 
 def _score(reward, request: dict) -> dict:
@@ -84,7 +85,7 @@ def main(argv: list[str]) -> int:
     if hello is None:
         return 0
     try:
-        reward = _build(hello)
+        reward, task_reward = _build(hello)
     except BaseException as err:  # an import error, a bad spec: the pool reports it once
         frames.write(write_fd, frames.encode({"ready": False, "error": f"{type(err).__name__}: {err}"[:1000]}))
         return 1
@@ -96,9 +97,11 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(1)  # one core per worker, as any reward gets
     while (batch := requests.next()) is not None:
         calls = batch["calls"]
-        if not batched:
+        if not batched or any(call.get("task_only") for call in calls):
             for call in calls:  # answered one by one: the actor times each call from the last answer
-                frames.write(write_fd, frames.encode(_score(reward, call)))
+                # An evaluation's call scores the task's own reward, the held-out truth.
+                scorer = task_reward if call.get("task_only") else reward
+                frames.write(write_fd, frames.encode(_score(scorer, call)))
             continue
         for start in range(0, len(calls), BATCH):  # a reward model scores BATCH calls at once
             for reply in _score_batch(reward, calls[start:start + BATCH]):

@@ -56,6 +56,15 @@ def split_demonstrations(demos: Sequence[Demonstration], max_tokens: int, eval_f
     return Split([kept[i] for i in order[held:]], [kept[i] for i in order[:held]], cut)
 
 
+def rank_micro_batches(batch: Sequence, rank: int, world: int, size: int) -> list[list]:
+    """This rank's share of `batch` (the same list on every rank) in micro-batches of
+    `size`, as many as every other rank runs (FSDP's collectives run per forward and
+    backward); [] marks a padding one."""
+    mine = list(batch[rank::world])
+    count = math.ceil(math.ceil(len(batch) / world) / size)
+    return [mine[k * size:(k + 1) * size] for k in range(count)]
+
+
 def padded(demos: Sequence[Demonstration], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input ids, attention mask, trained-target mask) of right-padded rows; the target
     mask is over the shifted positions: [n, L-1]."""
@@ -96,12 +105,7 @@ class SFTTrainer:
             self.optimizer, lambda step: lr_factor(sft.lr_schedule, total_steps, step))
 
     def _micro_batches(self, batch: Sequence[Demonstration]) -> list[list[Demonstration]]:
-        """This rank's share of `batch` in as many micro-batches as every other rank
-        runs (FSDP's collectives run per forward and backward); [] marks a padding one."""
-        mine = list(batch[self.rank::self.world])
-        size = self.cfg.learner.micro_batch_size
-        count = math.ceil(math.ceil(len(batch) / self.world) / size)
-        return [mine[k * size:(k + 1) * size] for k in range(count)]
+        return rank_micro_batches(batch, self.rank, self.world, self.cfg.learner.micro_batch_size)
 
     def _nll_sum(self, demos: Sequence[Demonstration]) -> torch.Tensor:
         """Summed negative log-likelihood of the trained tokens of `demos` ([] scores a

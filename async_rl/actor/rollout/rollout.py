@@ -210,39 +210,41 @@ class Rollout:
         """The held-out prompts' episodes, scored: result[i] the samples of prompt i."""
         prompts = [self.prompts[i] for i in prompt_ids]
         groups, _ = self._episodes(prompts, self.eval_samples, self.eval_sampling, self.eval_limits)
-        self._score(prompts, groups)
+        self._score(prompts, groups, task_only=True)
         return groups
 
     def _episodes(self, prompts: list[Prompt], n: int, sampling: Sampling, limits: Limits):
         return run_episodes(self.engine, self.prompt_format, prompts, n, limits, sampling, self.generator,
                             self.environments)
 
-    def _score(self, prompts: list[Prompt], groups: list[list[Episode]]) -> None:
-        """Single-turn episodes' rewards (groups[i]: prompt i's): the task's reward on each
-        response, guarded: in the reward's worker processes, or one after the other in one
-        worker thread. (An environment scores its own episodes.)"""
+    def _score(self, prompts: list[Prompt], groups: list[list[Episode]], task_only: bool = False) -> None:
+        """Single-turn episodes' rewards (groups[i]: prompt i's): the task's reward (or
+        reward.components, unless `task_only`: an evaluation scores the task's own reward,
+        so that a learned reward's gains are checked, not repeated) on each response,
+        guarded: in the reward's worker processes, or one after the other in one worker
+        thread. (An environment scores its own episodes.)"""
         if self.environments is not None:
             return
         with self._scoring:
-            self._score_locked(prompts, groups)
+            self._score_locked(prompts, groups, task_only or self.components is None)
 
-    def _score_locked(self, prompts: list[Prompt], groups: list[list[Episode]]) -> None:
-        if self.components is not None and self.components.grouped:
+    def _score_locked(self, prompts: list[Prompt], groups: list[list[Episode]], task_only: bool) -> None:
+        if not task_only and self.components.grouped:
             self._score_groups(prompts, groups)
             return
         pairs = [(p, ep) for p, group in zip(prompts, groups, strict=True) for ep in group]
         texts = [self.prompt_format.response_text(ep.tokens) for _, ep in pairs]
         if self.reward_pool is not None:
             outcomes = dict(enumerate(self.reward_pool.score(
-                [RewardCall(p.text, text, p.answer, p.fields) for (p, _), text in zip(pairs, texts)])))
+                [RewardCall(p.text, text, p.answer, p.fields, task_only) for (p, _), text in zip(pairs, texts)])))
         else:
-            reward, check = (self.components, None) if self.components is not None else (self.task.reward, as_outcome)
+            reward, check = (self.task.reward, as_outcome) if task_only else (self.components, None)
             calls = Calls()
             calls.submit([Call(i, self.reward, functools.partial(reward, **p.fields), (p.text, text, p.answer), check)
                           for i, ((p, _), text) in enumerate(zip(pairs, texts))])
             outcomes = calls.wait_all()
         for i, outcome in outcomes.items():
-            self._settle(pairs[i][1], outcome)
+            self._settle(pairs[i][1], outcome, task_only)
 
     def _score_groups(self, prompts: list[Prompt], groups: list[list[Episode]]) -> None:
         """With a group-scope component, one call per prompt scores its whole group."""
@@ -261,9 +263,9 @@ class Rollout:
             for j, ep in enumerate(groups[k]):
                 self._settle(ep, outcome if isinstance(outcome, Failed) else outcome[j])
 
-    def _settle(self, ep: Episode, outcome) -> None:
-        """Score `ep` with its reward's `outcome`, or fail it."""
-        if self.components is not None:
+    def _settle(self, ep: Episode, outcome, task_only: bool = False) -> None:
+        """Score `ep` with its reward's `outcome` (the task's alone with `task_only`), or fail it."""
+        if self.components is not None and not task_only:
             ep.components = outcome if isinstance(outcome, ComponentScores) else self.components.failed_whole(outcome)
             outcome = ep.components.settle()
         if isinstance(outcome, Failed):

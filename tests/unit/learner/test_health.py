@@ -2,8 +2,9 @@
 import logging
 
 import numpy as np
+import pytest
 
-from async_rl.learner.health import RunHealth
+from async_rl.learner.health import HACKING_WINDOW, RunHealth
 
 
 def batch(rewards, lengths, truncated=None):
@@ -94,3 +95,24 @@ def test_the_early_line_needs_most_groups_flat_and_names_cut_responses():
     assert health.check(*cut, group_size=2) == [] and health.check(*cut, group_size=2) == []
     (msg,) = health.check(*cut, group_size=2)
     assert "75% of responses cut at actors.max_new_tokens=24" in msg
+
+
+def test_a_trained_reward_rising_while_its_watcher_falls_is_said_once():
+    health = RunHealth(10, uses_chat_template=False, max_new_tokens=8)
+    rng = np.random.default_rng(0)
+    said = [health.check_hacking(step, 0.05 * step + rng.normal(0, 0.01), {"correct": 0.5 - 0.02 * step})
+            for step in range(1, 41)]
+    warned = [s for s in said if s is not None]
+    assert len(warned) == 1 and said[HACKING_WINDOW - 1] is not None  # as soon as the window is full
+    assert "reward/correct, watched at weight 0, fell" in warned[0]
+
+
+@pytest.mark.parametrize("watched", [
+    lambda step, rng: 0.5 + 0.02 * step,  # both rise: learning
+    lambda step, rng: 0.3 + rng.normal(0, 0.05),  # the watcher only noisy
+])
+def test_no_hacking_line_when_the_watcher_does_not_fall(watched):
+    health = RunHealth(10, uses_chat_template=False, max_new_tokens=8)
+    rng = np.random.default_rng(1)
+    assert all(health.check_hacking(step, 0.05 * step, {"correct": watched(step, rng)}) is None
+               for step in range(1, 41))

@@ -101,6 +101,31 @@ def test_each_group_carries_its_components_and_the_learner_logs_them(demo_model,
     assert metrics["reward/judge/unscorable_frac"] == 0.0 and metrics["reward/exact/error_frac"] == 0.0
     assert metrics["reward/exact/latency_p50_ms"] <= metrics["reward/exact/latency_p95_ms"]
     assert "reward/judge/mean" not in metrics
+    lengths = np.concatenate([g.response_lengths for g in groups])
+    assert metrics["reward/length/length_corr"] == pytest.approx(np.corrcoef(values[:, 1], lengths)[0, 1], abs=1e-6)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("executor", ["process", "thread"])
+def test_an_evaluation_scores_the_tasks_own_reward_not_the_components(demo_model, tmp_path, executor):
+    path = tmp_path / "generous.py"
+    path.write_text("def generous(prompt, response, answer):\n    return 5.0\n")
+    cfg = build_config({"model": {"path": str(demo_model)}, "eval": {"max_new_tokens": 3},
+                        "reward": {"executor": executor, "workers": 1, "components": [
+                            {"name": "generous", "reward": f"{path}:generous", "weight": 1.0},
+                            {"name": "exact", "reward": "task", "weight": 0.0}]}})
+    task = task_from_config(cfg.task, cfg.seed)
+    fmt = prompt_format_for(cfg.model.path, cfg.task)
+    rollout = Rollout.from_config(cfg, TorchEngine(str(demo_model)), fmt, task, torch.Generator().manual_seed(0))
+    try:
+        prompts = task.eval_prompts()[:4]
+        groups = rollout.evaluation([p.id for p in prompts])
+    finally:
+        rollout.close()
+    for prompt, group in zip(prompts, groups):
+        for ep in group:  # a learned reward's gains are checked against the task's, not repeated
+            assert ep.reward == task.reward(prompt.text, fmt.response_text(ep.tokens), prompt.answer)
+            assert ep.components is None
 
 
 RANKING = """def shortest_first(prompt, responses, answer):
