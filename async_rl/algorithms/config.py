@@ -120,6 +120,7 @@ class GAEAdvantage(Section):
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
     critic_lr: float = Field(1e-3, gt=0.0, description="AdamW learning rate of the critic (the policy trunk plus a value head).")
     value_clip: float | None = Field(0.2, gt=0.0, description="Clip of the value update around the old values (null = off).")
+    critic_init: str | None = Field(None, description="A reward model directory (one output, the policy's vocabulary): the critic's trunk and value head start from it (InstructGPT's recipe); null = the policy's trunk, a zero head.")
 
 
 LossConfig = choice(PPOLoss, GSPOLoss, CISPOLoss, OPMDLoss, default=PPOLoss)

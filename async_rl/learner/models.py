@@ -84,7 +84,8 @@ def build_models(cfg: Config, device: torch.device, mesh) -> Models:
     if cfg.train.advantage.name == "gae":
         from async_rl.models.critic import ValueModel
 
-        critic = shard_model(ValueModel(cfg.model.path).to(device), mesh, precision=lc.precision,
+        critic = shard_model(ValueModel(cfg.model.path, reward_model=cfg.train.advantage.critic_init).to(device), mesh,
+                             precision=lc.precision,
                              activation_checkpointing=lc.activation_checkpointing)
     optimizer, scheduler, critic_optimizer = build_optimizers(cfg.train, policy, critic)
     # LoRA: the KL reference is the policy computing its base (lora.base_only), no second model.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 import os
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 from async_rl.config import Config, ConfigError
 from async_rl.device import resolve_device
 from async_rl.models.loading import load_tokenizer
+from async_rl.rewards.outcome import Failed, as_outcome
 from async_rl.tasks import task_from_config
 from async_rl.tasks.prompt_format import prompt_format_for
 
@@ -120,15 +120,38 @@ def check_task(cfg: Config) -> None:
                                   f"{str(err).splitlines()[0] if str(err) else ''} on a sample (response "
                                   f"{response!r:.40}, answer {prompt.answer!r:.40})") from None
             try:
-                finite = not isinstance(value, (str, bytes)) and math.isfinite(float(value))
-            except (TypeError, ValueError):
-                finite = False
-            if not finite:
+                as_outcome(value)  # a float, or StepRewards
+            except Failed as failure:
                 raise ConfigError(f"task.reward: {spec or 'the task reward'} returned {value!r:.40} on a sample; "
-                                  f"a reward must be a finite number")
+                                  f"a reward must be a finite number ({failure})") from None
     if cfg.env is not None:
         check_environment(cfg, task, prompt_format)
     check_components(cfg)
+    check_critic(cfg)
+
+
+def check_critic(cfg: Config) -> None:
+    """train.advantage.critic_init is a reward model the critic can start from: one output,
+    and the policy's vocabulary (the critic reads the policy's tokens); else one line."""
+    advantage = cfg.train.advantage
+    path = getattr(advantage, "critic_init", None)
+    if advantage.name != "gae" or path is None:
+        return
+    from transformers import AutoConfig
+
+    from async_rl.models.critic import reward_head
+
+    where = "train.advantage.critic_init"
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"{where}: {path!r} is not a model directory (no config.json)")
+    advantage.critic_init = str(Path(path).resolve())
+    try:
+        reward_head(path, AutoConfig.from_pretrained(path).hidden_size)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    if load_tokenizer(path, quick=True).get_vocab() != load_tokenizer(cfg.model.path, quick=True).get_vocab():
+        raise ConfigError(f"{where}: {path} has another vocabulary than model.path: the critic reads the policy's "
+                          "tokens")
 
 
 def check_components(cfg: Config) -> None:

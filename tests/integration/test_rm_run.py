@@ -110,3 +110,12 @@ def test_ctrl_c_stops_at_once_in_one_line_and_writes_no_model(chat_model, tmp_pa
     assert proc.returncode == 130, err[-2000:]
     assert err.strip().splitlines()[-1].startswith("async-rl: rm interrupted; no model written"), err[-2000:]
     assert not (tmp_path / "run" / "model").exists()
+
+
+def test_ppo_s_critic_starts_from_a_reward_model(demo_model, reward_model_dir, tmp_path):
+    run = tmp_path / "run"
+    train(run, demo_model, "train.max_steps=2", "eval.every=0", "train.advantage.name=gae",
+          f"train.advantage.critic_init={reward_model_dir}")
+    steps, _ = read_metrics(run)
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["loss/value"] > 0 and s["critic/grad_norm"] > 0 for s in steps)
