@@ -44,17 +44,19 @@ class ActorsConfig(Section):
 
 class RewardComponentConfig(Section):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="The component's name in metrics (reward/<name>/mean, ...).")
-    reward: str = Field(description="`task` (the task's own reward), `reward_model` (a learned one at `model`), a built-in, `module:function` or `file.py:function`.")
+    reward: str = Field(description="`task` (the task's own reward), `reward_model` or `prm` (a learned one at `model`), a built-in, `module:function` or `file.py:function`.")
     weight: float = Field(1.0, allow_inf_nan=False, description="Its weight in the sample's reward; 0 = scored and logged, not trained on.")
-    model: str | None = Field(None, description="With reward: reward_model, an HF sequence-classification model directory with one output.")
+    model: str | None = Field(None, description="With reward: reward_model or prm, an HF sequence-classification model directory with one output.")
+    separator: str = Field("\n\n", min_length=1, description="With reward: prm, what ends each step of a response.")
+    aggregate: Literal["steps", "min", "last", "mean"] = Field("steps", description="With reward: prm, the sample's reward: `steps`, each step's score a step reward (train.advantage.name=grpo_process) summing to it; or their min, last or mean.")
     scope: Literal["sample", "group"] = Field("sample", description="`group`: f(prompt, responses, answer, ...) scores a prompt's whole group at once (pairwise, listwise judges), one score per response.")
 
     @model_validator(mode="after")
     def _model_for_a_reward_model(self) -> RewardComponentConfig:
-        if (self.reward == "reward_model") != (self.model is not None):
-            raise ValueError("reward.components: `model` is for, and needed by, `reward: reward_model` "
+        if (self.reward in ("reward_model", "prm")) != (self.model is not None):
+            raise ValueError("reward.components: `model` is for, and needed by, `reward: reward_model` or `prm` "
                              f"(component {self.name!r})")
-        if self.scope == "group" and self.reward in ("task", "reward_model"):
+        if self.scope == "group" and self.reward in ("task", "reward_model", "prm"):
             raise ValueError(f"reward.components: scope: group is for a function of a group's responses, "
                              f"not {self.reward!r} (component {self.name!r})")
         return self

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from async_rl.rewards.outcome import RESPONSE_END, Failed, StepRewards, as_outcome, failure_note
-from async_rl.rewards.reward_model import REWARD_MODEL, RewardModel
+from async_rl.rewards.reward_model import PROCESS_REWARD_MODEL, REWARD_MODEL, ProcessRewardModel, RewardModel
 from async_rl.wire.messages import FAILURE_REASONS
 
 TASK_REWARD = "task"  # a component's `reward` that means the task's own
@@ -196,6 +196,9 @@ def components_from_config(components: list[dict], task_reward: Callable) -> Com
             return task_reward
         if c["reward"] == REWARD_MODEL:
             return RewardModel(c["model"])
+        if c["reward"] == PROCESS_REWARD_MODEL:
+            return ProcessRewardModel(c["model"], separator=c.get("separator", "\n\n"),
+                                      aggregate=c.get("aggregate", "steps"))
         return with_fields(load_reward_fn(c["reward"]))  # a group-scope f(prompt, responses, answer, ...) alike
 
     return Components([(c["name"], c["weight"], source(c)) for c in components],

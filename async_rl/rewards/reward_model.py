@@ -12,12 +12,23 @@ worker processes (one float32 copy per worker), which score a chunk of calls in 
 of 8 on one torch thread, or a prompt's group at a time beside a group-scope component
 (rewards/worker.py); in the actor's thread (`reward.executor: thread`) it scores one
 sample at a time.
+
+A process reward model (`reward: prm`) is the same kind of model read at more places:
+the response is cut into steps at `separator`, and one forward pass over the rendered
+pair gives the head's output at the last token of each step (the token holding the
+step's last character, by the tokenizer's offsets): with causal attention each is the
+score of the text up to that step, what the model would say had the response ended
+there. `aggregate: steps` returns them as step rewards (StepRewards, for
+train.advantage.name=grpo_process); `min`, `last` or `mean` one score.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from async_rl.rewards.outcome import StepRewards
+
 REWARD_MODEL = "reward_model"  # a component's `reward` that means a reward model at `model`
+PROCESS_REWARD_MODEL = "prm"  # ... a process reward model: its head read at each step's end
 
 
 class RewardModel:
@@ -59,3 +70,53 @@ class RewardModel:
 
     def __call__(self, prompt: str, response: str, answer: str, **fields) -> float:
         return self.score_batch([prompt], [response])[0]
+
+
+class ProcessRewardModel(RewardModel):
+    def __init__(self, path: str | Path, *, separator: str = "\n\n", aggregate: str = "steps", **options) -> None:
+        super().__init__(path, **options)
+        self.separator, self.aggregate = separator, aggregate
+        self.head = getattr(self.model, "score", None)
+        if self.head is None:
+            raise ValueError(f"process reward model {path}: no `score` head to read at each step")
+
+    def step_scores(self, prompt: str, response: str) -> StepRewards:
+        """The head's output at the end of each step of `response`, in one forward pass."""
+        text = self.text(prompt, response)
+        start = text.rfind(response)
+        if start < 0:
+            raise ValueError("the reward model's chat template changed the response's text")
+        steps = StepRewards.split(response, [0.0] * (response.count(self.separator) + 1), self.separator)
+        ends = [end for end, _ in steps.steps]
+        batch = self.tokenizer(text, return_tensors="pt", truncation=True, max_length=self.max_tokens,
+                               add_special_tokens=not self.templated, return_offsets_mapping=True)
+        offsets = batch.pop("offset_mapping")[0]
+        positions = [_token_at(offsets, start + max(end, 1) - 1) for end in ends]
+        with self.torch.inference_mode():
+            hidden = self.model.base_model(**batch).last_hidden_state[0]
+            scores = self.head(hidden[positions]).float()[:, 0].tolist()
+        return StepRewards([(max(end, 1), score) for end, score in zip(ends, scores)])
+
+    def score_batch(self, prompts: list[str], responses: list[str]) -> list[StepRewards | float]:
+        """Per (prompt, response): its steps' scores, or their min, last or mean."""
+        out: list[StepRewards | float] = []
+        for prompt, response in zip(prompts, responses):
+            steps = self.step_scores(prompt, response)
+            scores = [score for _, score in steps.steps]
+            out.append(steps if self.aggregate == "steps" else {"min": min(scores), "last": scores[-1],
+                                                                "mean": sum(scores) / len(scores)}[self.aggregate])
+        return out
+
+
+def _token_at(offsets, char: int) -> int:
+    """The token whose characters hold `char` (or the last one that starts before it: a
+    step's end past the truncation reads the last token)."""
+    starts = offsets[:, 0].tolist()
+    ends = offsets[:, 1].tolist()
+    best = 0
+    for k, (a, b) in enumerate(zip(starts, ends)):
+        if b > a and a <= char:
+            best = k
+            if char < b:
+                return k
+    return best
