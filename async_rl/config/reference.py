@@ -24,7 +24,10 @@ def _section(annotation) -> type[BaseModel] | None:
 def _default(field) -> str:
     if field.is_required():
         return "required"
-    return f"`{field.get_default(call_default_factory=True)}`"
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, str) and not value.isprintable():  # a separator: "\n\n" as YAML writes it
+        value = repr(value).replace("'", '"')
+    return f"`{value}`"
 
 
 def reference_markdown() -> str:
