@@ -47,6 +47,8 @@ class RewardComponentConfig(Section):
     reward: str = Field(description="`task` (the task's own reward), `reward_model` or `prm` (a learned one at `model`), a built-in, `module:function` or `file.py:function`.")
     weight: float = Field(1.0, allow_inf_nan=False, description="Its weight in the sample's reward; 0 = scored and logged, not trained on.")
     model: str | None = Field(None, description="With reward: reward_model or prm, an HF sequence-classification model directory with one output.")
+    normalize: bool = Field(True, description="With reward: reward_model or prm, scores as (score - mean) / std by the model's reward_normalization.json (written by `async-rl rm`), when it has one.")
+    clip: float | None = Field(None, gt=0.0, description="With reward: reward_model or prm, the (normalized) score clamped to +-clip (null = not clamped).")
     separator: str = Field("\n\n", min_length=1, description="With reward: prm, what ends each step of a response.")
     aggregate: Literal["steps", "min", "last", "mean"] = Field("steps", description="With reward: prm, the sample's reward: `steps`, each step's score a step reward (train.advantage.name=grpo_process) summing to it; or their min, last or mean.")
     scope: Literal["sample", "group"] = Field("sample", description="`group`: f(prompt, responses, answer, ...) scores a prompt's whole group at once (pairwise, listwise judges), one score per response.")

@@ -194,11 +194,12 @@ def components_from_config(components: list[dict], task_reward: Callable) -> Com
     def source(c: dict) -> Callable:
         if c["reward"] == TASK_REWARD:
             return task_reward
+        scale = {"normalize": c.get("normalize", True), "clip": c.get("clip")}
         if c["reward"] == REWARD_MODEL:
-            return RewardModel(c["model"])
+            return RewardModel(c["model"], **scale)
         if c["reward"] == PROCESS_REWARD_MODEL:
             return ProcessRewardModel(c["model"], separator=c.get("separator", "\n\n"),
-                                      aggregate=c.get("aggregate", "steps"))
+                                      aggregate=c.get("aggregate", "steps"), **scale)
         return with_fields(load_reward_fn(c["reward"]))  # a group-scope f(prompt, responses, answer, ...) alike
 
     return Components([(c["name"], c["weight"], source(c)) for c in components],

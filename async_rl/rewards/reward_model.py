@@ -5,7 +5,9 @@ RewardTrainer and OpenRLHF's reward models train), scoring prompt and response.
 The pair is written as the tokenizer's chat template writes a user turn and the
 assistant's answer when it has one, else as prompt + response; the score is the head's
 output at the last token (transformers' own pooling: the last token that is not
-padding). Batches are padded on the right, so each row's score is its own.
+padding). Batches are padded on the right, so each row's score is its own. A model
+`async-rl rm` wrote carries its scores' mean and std over its training pairs: scores are
+normalized by them (`normalize`, default on) and clipped to +-`clip` when it is set.
 
 A reward component (`reward: reward_model`, `model: PATH`) runs it in the reward's
 worker processes (one float32 copy per worker), which score a chunk of calls in batches
@@ -23,6 +25,7 @@ train.advantage.name=grpo_process); `min`, `last` or `mean` one score.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from async_rl.rewards.outcome import StepRewards
@@ -31,23 +34,39 @@ REWARD_MODEL = "reward_model"  # a component's `reward` that means a reward mode
 PROCESS_REWARD_MODEL = "prm"  # ... a process reward model: its head read at each step's end
 
 
+NORMALIZATION_FILE = "reward_normalization.json"  # the scores' mean and std, as `async-rl rm` writes them
+
+
 class RewardModel:
-    def __init__(self, path: str | Path, *, batch_size: int = 8, max_tokens: int = 4096) -> None:
+    def __init__(self, path: str | Path, *, batch_size: int = 8, max_tokens: int = 4096, normalize: bool = True,
+                 clip: float | None = None) -> None:
+        """`normalize`: scores as (score - mean) / std by the directory's NORMALIZATION_FILE,
+        when it has one; `clip`: then clamped to +-clip."""
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.torch, self.batch_size, self.max_tokens = torch, batch_size, max_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.tokenizer.padding_side = "right"
         self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {path}: a reward model has one output, this one has "
                              f"{self.model.config.num_labels} (num_labels)")
-        if self.model.config.pad_token_id is None:  # transformers finds each row's last token by it
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        # Rows are padded with the id transformers' pooling skips: its last token that is not padding.
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+                else self.tokenizer.eos_token_id
+        self.tokenizer.pad_token_id = self.model.config.pad_token_id
+        self.tokenizer.padding_side = "right"
         self.templated = bool(getattr(self.tokenizer, "chat_template", None))
+        self.shift, self.scale, self.clip = 0.0, 1.0, clip
+        stats = Path(path) / NORMALIZATION_FILE
+        if normalize and stats.is_file():
+            figures = json.loads(stats.read_text())
+            self.shift, self.scale = float(figures["mean"]), 1.0 / max(float(figures["std"]), 1e-6)
+
+    def normalized(self, score: float) -> float:
+        value = (score - self.shift) * self.scale
+        return value if self.clip is None else min(max(value, -self.clip), self.clip)
 
     def text(self, prompt: str, response: str) -> str:
         """The pair as the model reads it."""
@@ -65,7 +84,7 @@ class RewardModel:
             batch = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
                                    max_length=self.max_tokens, add_special_tokens=not self.templated)
             with self.torch.inference_mode():
-                scores += self.model(**batch).logits[:, 0].float().tolist()
+                scores += [self.normalized(x) for x in self.model(**batch).logits[:, 0].float().tolist()]
         return scores
 
     def __call__(self, prompt: str, response: str, answer: str, **fields) -> float:
@@ -95,7 +114,7 @@ class ProcessRewardModel(RewardModel):
         with self.torch.inference_mode():
             hidden = self.model.base_model(**batch).last_hidden_state[0]
             scores = self.head(hidden[positions]).float()[:, 0].tolist()
-        return StepRewards([(max(end, 1), score) for end, score in zip(ends, scores)])
+        return StepRewards([(max(end, 1), self.normalized(score)) for end, score in zip(ends, scores)])
 
     def score_batch(self, prompts: list[str], responses: list[str]) -> list[StepRewards | float]:
         """Per (prompt, response): its steps' scores, or their min, last or mean."""

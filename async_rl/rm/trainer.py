@@ -34,10 +34,9 @@ from async_rl.learner.precision import dither_masters
 from async_rl.learner.sharding import full_parameters, shard_model
 from async_rl.learner.step import clipped_grad_norm
 from async_rl.learner.trainer import drain
+from async_rl.rewards.reward_model import NORMALIZATION_FILE
 from async_rl.rm.pairs import Pair
 from async_rl.sft.trainer import rank_micro_batches
-
-NORMALIZATION_FILE = "reward_normalization.json"  # the scores' mean and std over the training pairs
 
 
 def pair_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor, center_coef: float) -> torch.Tensor:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from async_rl.config import build_config
+from async_rl.rewards.reward_model import NORMALIZATION_FILE
 from async_rl.rm.pairs import Pair, render
-from async_rl.rm.trainer import NORMALIZATION_FILE, RMTrainer, pair_loss
+from async_rl.rm.trainer import RMTrainer, pair_loss
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -84,6 +85,12 @@ def test_the_exported_model_scores_through_the_component_what_the_trainer_scored
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
     assert json.loads((out / NORMALIZATION_FILE).read_text())["std"] == 2.0
-    scored = RewardModel(out).score_batch([q for q, _ in questions], [a for _, a in questions])
+    prompts, answers = [q for q, _ in questions], [a for _, a in questions]
+    scored = RewardModel(out, normalize=False).score_batch(prompts, answers)
     assert scored == pytest.approx(trained.tolist(), abs=1e-5)
     assert not any(math.isnan(s) for s in scored)
+    # Served normalized by the written figures, (score - 0.5) / 2, and clipped when asked.
+    normalized = RewardModel(out).score_batch(prompts, answers)
+    assert normalized == pytest.approx([(s - 0.5) / 2 for s in scored], abs=1e-5)
+    clipped = RewardModel(out, clip=1e-3).score_batch(prompts, answers)
+    assert clipped == pytest.approx([min(max(s, -1e-3), 1e-3) for s in normalized], abs=1e-9)
