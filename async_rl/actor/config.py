@@ -42,23 +42,42 @@ class ActorsConfig(Section):
     connect_timeout_s: float = Field(60.0, gt=0.0, description="How long an actor retries a hub that does not answer.")
 
 
+class JudgeConfig(Section):
+    url: str | None = Field(None, description="An OpenAI-compatible server (its base, e.g. http://127.0.0.1:8000/v1, or its /chat/completions); null = the component's `model`, a causal LM run in the reward's workers.")
+    served_model: str = Field("judge", description="The `model` name sent to the server.")
+    template: str = Field("Question: {prompt}\nReference answer: {answer}\nResponse: {response}\nIs the response correct? Answer yes or no.", description="What the judge is asked: {prompt}, {response} and {answer} filled in.")
+    parser: Literal["verdict", "score"] = Field("verdict", description="`verdict`: the reply's first word yes/no (correct/incorrect, true/false) as 1/0; `score`: its first number. Anything else is unscorable.")
+    max_tokens: int = Field(16, ge=1, le=4096, description="The judge's reply length limit.")
+    retries: int = Field(3, ge=0, le=10, description="Further attempts after a connection error or an HTTP 5xx/429 (never after a timeout), within reward.timeout_s.")
+    api_key_env: str | None = Field(None, description="The environment variable holding the server's API key (sent as a bearer token), if it needs one.")
+
+
 class RewardComponentConfig(Section):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$", description="The component's name in metrics (reward/<name>/mean, ...).")
-    reward: str = Field(description="`task` (the task's own reward), `reward_model` or `prm` (a learned one at `model`), a built-in, `module:function` or `file.py:function`.")
+    reward: str = Field(description="`task` (the task's own reward), `reward_model` or `prm` (a learned one at `model`), `judge` (an LLM judge), a built-in, `module:function` or `file.py:function`.")
     weight: float = Field(1.0, allow_inf_nan=False, description="Its weight in the sample's reward; 0 = scored and logged, not trained on.")
-    model: str | None = Field(None, description="With reward: reward_model or prm, an HF sequence-classification model directory with one output.")
+    model: str | None = Field(None, description="With reward: reward_model or prm, an HF sequence-classification model directory with one output; with judge, a causal LM directory.")
     normalize: bool = Field(True, description="With reward: reward_model or prm, scores as (score - mean) / std by the model's reward_normalization.json (written by `async-rl rm`), when it has one.")
     clip: float | None = Field(None, gt=0.0, description="With reward: reward_model or prm, the (normalized) score clamped to +-clip (null = not clamped).")
     separator: str = Field("\n\n", min_length=1, description="With reward: prm, what ends each step of a response.")
     aggregate: Literal["steps", "min", "last", "mean"] = Field("steps", description="With reward: prm, the sample's reward: `steps`, each step's score a step reward (train.advantage.name=grpo_process) summing to it; or their min, last or mean.")
+    judge: JudgeConfig | None = Field(None, description="With reward: judge, the judge (its server, or `model`), its question and how its reply is read.")
     scope: Literal["sample", "group"] = Field("sample", description="`group`: f(prompt, responses, answer, ...) scores a prompt's whole group at once (pairwise, listwise judges), one score per response.")
 
     @model_validator(mode="after")
     def _model_for_a_reward_model(self) -> RewardComponentConfig:
-        if (self.reward in ("reward_model", "prm")) != (self.model is not None):
-            raise ValueError("reward.components: `model` is for, and needed by, `reward: reward_model` or `prm` "
-                             f"(component {self.name!r})")
-        if self.scope == "group" and self.reward in ("task", "reward_model", "prm"):
+        if self.reward == "judge":
+            judge = self.judge or JudgeConfig()
+            if (judge.url is None) == (self.model is None):
+                raise ValueError(f"reward.components: a judge is a server (judge.url) or a causal LM (model), one of "
+                                 f"them (component {self.name!r})")
+            self.judge = judge
+        elif (self.reward in ("reward_model", "prm")) != (self.model is not None):
+            raise ValueError("reward.components: `model` is for, and needed by, `reward: reward_model`, `prm` or "
+                             f"`judge` (component {self.name!r})")
+        if self.judge is not None and self.reward != "judge":
+            raise ValueError(f"reward.components: `judge` is for `reward: judge` (component {self.name!r})")
+        if self.scope == "group" and self.reward in ("task", "reward_model", "prm", "judge"):
             raise ValueError(f"reward.components: scope: group is for a function of a group's responses, "
                              f"not {self.reward!r} (component {self.name!r})")
         return self

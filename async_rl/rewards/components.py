@@ -20,10 +20,12 @@ component's mean and latency p50/p95 where it scored, and its errors by reason.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from async_rl.rewards.judge import DEFAULT_TEMPLATE, JUDGE, Judge
 from async_rl.rewards.outcome import RESPONSE_END, Failed, StepRewards, as_outcome, failure_note
 from async_rl.rewards.reward_model import PROCESS_REWARD_MODEL, REWARD_MODEL, ProcessRewardModel, RewardModel
 from async_rl.wire.messages import FAILURE_REASONS
@@ -186,14 +188,23 @@ def _raise_or(value):
     return value
 
 
-def components_from_config(components: list[dict], task_reward: Callable) -> Components:
-    """`reward.components` (as dicts: name, reward, weight) with `task_reward` standing for `task`."""
+def components_from_config(components: list[dict], task_reward: Callable, timeout_s: float = 10.0) -> Components:
+    """`reward.components` (as dicts: name, reward, weight) with `task_reward` standing for
+    `task`; `timeout_s` (reward.timeout_s) bounds a remote judge's retries."""
     from async_rl.tasks import load_reward_fn
     from async_rl.tasks.rows import with_fields
 
     def source(c: dict) -> Callable:
         if c["reward"] == TASK_REWARD:
             return task_reward
+        if c["reward"] == JUDGE:
+            judge = c.get("judge") or {}
+            key_env = judge.get("api_key_env")
+            return Judge(url=judge.get("url"), model=c.get("model") if not judge.get("url") else None,
+                         served_model=judge.get("served_model", "judge"),
+                         template=judge.get("template", DEFAULT_TEMPLATE), parser=judge.get("parser", "verdict"),
+                         max_tokens=judge.get("max_tokens", 16), retries=judge.get("retries", 3),
+                         timeout_s=0.9 * timeout_s, api_key=os.environ.get(key_env) if key_env else None)
         scale = {"normalize": c.get("normalize", True), "clip": c.get("clip")}
         if c["reward"] == REWARD_MODEL:
             return RewardModel(c["model"], **scale)

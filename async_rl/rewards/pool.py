@@ -85,7 +85,7 @@ class RewardPool:
     def __init__(self, task: dict, seed: int, *, processes: int, timeout_s: float, chunk: int = 64,
                  start_timeout_s: float = 120.0, components: list[dict] | None = None) -> None:
         """`components`: reward.components as dicts; each call then answers a ComponentScores."""
-        self.hello = frames.encode({"task": task, "seed": seed, "components": components or []})
+        self.hello = frames.encode({"task": task, "seed": seed, "components": components or [], "timeout_s": timeout_s})
         self.component_names = [c["name"] for c in components or []]
         self.component_weights = [float(c["weight"]) for c in components or []]
         self.processes, self.timeout_s, self.chunk, self.start_timeout_s = processes, timeout_s, chunk, start_timeout_s

@@ -41,7 +41,7 @@ def _build(hello: dict):
 
     reward = reward_from_config(TypeAdapter(TaskConfig).validate_python(hello["task"]), int(hello["seed"]))
     if hello.get("components"):
-        return components_from_config(hello["components"], reward), reward
+        return components_from_config(hello["components"], reward, float(hello.get("timeout_s", 10.0))), reward
     return reward, reward
 
 

@@ -161,7 +161,9 @@ def check_components(cfg: Config) -> None:
 
     for component in cfg.reward.components:
         where = f"reward.components ({component.name})"
-        if component.reward in ("reward_model", "prm"):
+        if component.reward == "judge" and component.model is None:
+            continue  # a server: asked when the run scores
+        if component.reward in ("reward_model", "prm", "judge"):
             if not (Path(component.model) / "config.json").is_file():
                 raise ConfigError(f"{where}: model {component.model!r} is not a model directory (no config.json)")
             component.model = str(Path(component.model).resolve())

@@ -6,23 +6,17 @@ memory_limit_MB, stdin, and files as base64. The answer's status is Success, Fai
 SandboxError; its run_result has a status (Finished, TimeLimitExceeded, Error),
 return_code, stdout and stderr. Connection errors and HTTP 5xx and 429 answers are
 retried with exponential backoff while the deadline allows; a timeout never is, since
-the service may still be running the code. Standard library only (urllib).
+the service may still be running the code (rewards/remote.py).
 """
 from __future__ import annotations
 
 import base64
-import http.client
 import json
-import random
 import time
-import urllib.error
-import urllib.request
 
+from async_rl.rewards.remote import NoAnswer, Unavailable, post_json
 from async_rl.sandbox.execution import Execution
 from async_rl.sandbox.limits import SandboxLimits
-
-MAX_ANSWER_BYTES = 64 << 20  # stdout, stderr and files, JSON-encoded; the service caps its output too
-FIRST_BACKOFF_S = 0.1
 
 
 class HttpSandbox:
@@ -50,51 +44,21 @@ class HttpSandbox:
         start = time.monotonic()
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = start + timeout + self.grace_s
-        body = json.dumps({
+        body = {
             "code": code, "language": "python", "stdin": stdin,
             "run_timeout": timeout, "compile_timeout": timeout, "memory_limit_MB": self.limits.memory_mb,
             "files": {name: base64.b64encode(text.encode("utf-8")).decode("ascii")
                       for name, text in (files or {}).items()},
-        }).encode("utf-8")
-        backoff, problem = FIRST_BACKOFF_S, ""
-        for attempt in range(1, self.retries + 2):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:  # spent on earlier attempts and their backoff
-                return self._failed("unavailable", f"sandbox service at {self.url} {problem} (after {attempt - 1} "
-                                             "attempts, until the deadline)", start)
-            request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=remaining) as response:
-                    answer = response.read(MAX_ANSWER_BYTES + 1)
-                    if len(answer) <= MAX_ANSWER_BYTES and response.length:  # read(n) ends early without raising
-                        raise http.client.IncompleteRead(answer, response.length)
-            except urllib.error.HTTPError as err:
-                err.close()
-                if err.code < 500 and err.code != 429:
-                    return self._failed("unavailable", f"sandbox service at {self.url} refused the request: "
-                                                       f"HTTP {err.code}", start)
-                problem = f"failed: HTTP {err.code}"
-            except urllib.error.URLError as err:
-                if isinstance(err.reason, TimeoutError):
-                    return self._failed("timeout", f"sandbox service: no answer within {remaining:.1f} s", start)
-                problem = f"unreachable: {err.reason}"
-            except TimeoutError:
-                return self._failed("timeout", f"sandbox service: no answer within {remaining:.1f} s", start)
-            except OSError as err:  # reset or closed mid-answer
-                problem = f"unreachable: {err}"
-            except http.client.HTTPException as err:  # a malformed or cut-off answer
-                problem = f"failed: {type(err).__name__}: {err}"
-            else:
-                return self._execution(answer, start)
-            if attempt <= self.retries:
-                time.sleep(max(0.0, min(backoff * random.uniform(0.5, 1.5), deadline - time.monotonic())))
-                backoff *= 2
-        return self._failed("unavailable", f"sandbox service at {self.url} {problem} "
-                                           f"(after {self.retries + 1} attempts)", start)
+        }
+        try:
+            answer = post_json(self.url, body, deadline, self.retries, what="sandbox service")
+        except NoAnswer as err:
+            return self._failed("timeout", str(err), start)
+        except Unavailable as err:
+            return self._failed("unavailable", str(err), start)
+        return self._execution(answer, start)
 
     def _execution(self, answer: bytes, start: float) -> Execution:
-        if len(answer) > MAX_ANSWER_BYTES:
-            return self._failed("unavailable", f"sandbox service: answer beyond {MAX_ANSWER_BYTES} bytes", start)
         try:
             payload = json.loads(answer)
             result = payload.get("run_result") or {}
