@@ -67,11 +67,9 @@ class RewardComponentConfig(Section):
     @model_validator(mode="after")
     def _model_for_a_reward_model(self) -> RewardComponentConfig:
         if self.reward == "judge":
-            judge = self.judge or JudgeConfig()
-            if (judge.url is None) == (self.model is None):
+            if ((self.judge or JudgeConfig()).url is None) == (self.model is None):
                 raise ValueError(f"reward.components: a judge is a server (judge.url) or a causal LM (model), one of "
                                  f"them (component {self.name!r})")
-            self.judge = judge
         elif (self.reward in ("reward_model", "prm")) != (self.model is not None):
             raise ValueError("reward.components: `model` is for, and needed by, `reward: reward_model`, `prm` or "
                              f"`judge` (component {self.name!r})")

@@ -40,6 +40,8 @@ DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 DEVICE_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
                 "stderr": "/proc/self/fd/2"}
 
+ORPHANED = signal.SIGUSR1  # the parent-death signal: the sandbox that started this run is gone
+
 libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -244,7 +246,9 @@ def main() -> None:
     config = json.loads(sys.argv[1])
     child = 0
 
-    def stop(signum, frame):  # the deadline
+    def stop(signum, frame):  # the deadline, or (ORPHANED) the sandbox's death
+        if signum == ORPHANED:
+            config["orphaned"] = True
         if child:
             try:
                 os.kill(child, signal.SIGKILL)
@@ -255,10 +259,12 @@ def main() -> None:
             finish(config)
 
     signal.signal(signal.SIGTERM, stop)
-    # Should the sandbox die, or stop keeping time, the run still ends.
+    # Should the sandbox die, or stop keeping time, the run still ends. Its death comes as
+    # a signal of its own: the parent pid may not have changed yet when it arrives.
+    signal.signal(ORPHANED, stop)
     signal.signal(signal.SIGALRM, stop)
     signal.setitimer(signal.ITIMER_REAL, config["backstop_s"])
-    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "pdeathsig")
+    check(libc.prctl(PR_SET_PDEATHSIG, ORPHANED, 0, 0, 0), "pdeathsig")
     if os.getppid() != config["parent"]:  # it died before the line above
         finish(config)
     if config["namespaces"]:
@@ -269,7 +275,7 @@ def main() -> None:
             sys.exit(1)
         child = os.fork()
         if child == 0:
-            for sig in (signal.SIGTERM, signal.SIGALRM):
+            for sig in (signal.SIGTERM, signal.SIGALRM, ORPHANED):
                 signal.signal(sig, signal.SIG_DFL)
             init(config)
         try:  # pid 1 reports; its end means the namespace is empty
@@ -282,7 +288,7 @@ def main() -> None:
     if child == 0:
         start_program(config)
     outcome = wait_for(child)
-    for sig in (signal.SIGTERM, signal.SIGALRM):  # from here on it ends everything itself
+    for sig in (signal.SIGTERM, signal.SIGALRM, ORPHANED):  # from here on it ends everything itself
         signal.signal(sig, signal.SIG_IGN)
     end_descendants()
     report(config, outcome)
@@ -291,7 +297,7 @@ def main() -> None:
 
 def finish(config: dict) -> None:
     """Exits, removing the staging directory first where the sandbox died and cannot."""
-    if os.getppid() != config["parent"]:
+    if config.get("orphaned") or os.getppid() != config["parent"]:
         shutil.rmtree(config["staging"], ignore_errors=True)
     os._exit(0)
 

@@ -1,10 +1,16 @@
 """reward.components in a real run: the task's reward trained on with a reward model
 beside it (a learned source, scored in batches in the reward's workers), a listwise
 scorer of each prompt's whole group, and a watcher of weight 0 that always fails; each
-is logged on its own, and the watcher's failures leave every sample scorable."""
+is logged on its own, and the watcher's failures leave every sample scorable; a
+component that scores step by step trains grpo_process; a judge that answers garbage
+stops the run in one line, its samples unscorable, never trained on as 0."""
 import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from conftest import read_metrics, train
+from conftest import ROOT, read_metrics, subprocess_env, train
 
 WATCHER = """def judge(prompt, response, answer):
     raise RuntimeError("the judge is down")
@@ -60,3 +66,40 @@ def test_a_component_that_scores_step_by_step_trains_grpo_process(tmp_path, demo
         assert sample["step_ends"][-1] == len(sample["response_ids"]) - 1  # the task's reward: the last token
     logs = proc.stderr + "".join(log.read_text() for log in (run / "logs").glob("*"))
     assert "leaves unused" not in logs and "step rewards" not in logs
+
+
+class GarbageJudge(BaseHTTPRequestHandler):
+    """An OpenAI-compatible server whose every reply is no verdict."""
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps({"choices": [{"message": {"role": "assistant", "content": "As an AI, I cannot say."}}]})
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_judge_that_answers_garbage_stops_the_run_naming_it_and_trains_on_no_zero(tmp_path, demo_model):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), GarbageJudge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    run = tmp_path / "run"
+    try:
+        cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run}",
+               f"model.path={demo_model}", "train.batch_groups=8", "train.group_size=4",
+               "actors.groups_per_request=4", "task.eval_size=32", "train.max_steps=5", "eval.every=0",
+               f"reward.components=[{{name: judge, reward: judge, judge: {{url: 'http://127.0.0.1:"
+               f"{server.server_address[1]}/v1'}}}}, {{name: exact, reward: task, weight: 0}}]"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=subprocess_env())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    stopped = [line for line in proc.stderr.splitlines() if line.startswith("async-rl: stopped:")]
+    assert len(stopped) == 1 and "component judge" in stopped[0] and "unparsable" in stopped[0], stopped
+    steps, _ = read_metrics(run)
+    assert steps[0]["reward/unscorable_frac"] == 1.0 and steps[0]["reward/judge/errors_not_a_number"] == 32
+    assert steps[0]["reward/groups_dropped"] == 8  # every group left out: nothing trained on as 0

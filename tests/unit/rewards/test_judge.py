@@ -115,6 +115,10 @@ def test_the_reward_workers_build_a_judge_from_the_components(server):
 
 
 def test_a_judge_is_a_server_or_a_model():
+    served = build_config({"reward": {"components": [{"name": "j", "reward": "judge", "judge": {"url": "http://x"}}]}})
+    assert served.reward.components[0].judge.parser == "verdict"
+    local = build_config({"reward": {"components": [{"name": "j", "reward": "judge", "model": "m"}]}})
+    assert local.reward.components[0].judge is None and local.reward.components[0].model == "m"
     with pytest.raises(Exception, match="a judge is a server"):
         build_config({"reward": {"components": [{"name": "j", "reward": "judge"}]}})
     with pytest.raises(Exception, match="`judge` is for `reward: judge`"):
