@@ -12,7 +12,6 @@ scores, so the model is trained on the text it will read.
 """
 from __future__ import annotations
 
-import json
 import math
 import numbers
 from collections.abc import Mapping
@@ -22,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from async_rl.sft.conversations import ROLES
+from async_rl.sft.conversations import ROLES, read_rows
 
 SIDES = ("chosen", "rejected")
 
@@ -44,21 +43,7 @@ class PairSplit:
 def read_pairs(path: str | Path, split: str = "train", margin_column: str | None = "margin") -> list[dict]:
     """Every row as {"chosen": messages, "rejected": messages, "margin": float}, checked:
     ValueError in one line naming the row for anything amiss."""
-    path = Path(path)
-    if path.suffix.lower() == ".jsonl" and path.is_file():
-        rows = []
-        for k, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((f"{path}:{k}", json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{k}: not JSON ({err.msg})") from None
-    else:
-        from async_rl.tasks.dataset import load_split
-
-        data = load_split(path, split)
-        rows = [(f"{path} ({split}) row {k}", row) for k, row in enumerate(data)]
+    rows = read_rows(path, split, {side: "a pair's side" for side in SIDES})
     if not rows:
         raise ValueError(f"{path}: no preference pairs")
     return [checked_pair(row, where, margin_column) for where, row in rows]

@@ -29,14 +29,13 @@ import torch.nn.functional as F
 from async_rl.algorithms.normalization import backward_share
 from async_rl.config import Config
 from async_rl.learner.checkpoint import save_hf_model
-from async_rl.learner.optimizer import adamw, lr_factor
 from async_rl.learner.precision import dither_masters
-from async_rl.learner.sharding import full_parameters, shard_model
+from async_rl.learner.sharding import full_parameters
 from async_rl.learner.step import clipped_grad_norm
 from async_rl.learner.trainer import drain
 from async_rl.rewards.reward_model import NORMALIZATION_FILE
 from async_rl.rm.pairs import Pair
-from async_rl.sft.trainer import rank_micro_batches
+from async_rl.sft.trainer import apply_step, lr_scheduler, rank_micro_batches, sharded_with_optimizer
 
 
 def pair_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor, center_coef: float) -> torch.Tensor:
@@ -78,9 +77,6 @@ def _peft_config(lora):
 
 class RMTrainer:
     def __init__(self, cfg: Config, device: torch.device):
-        from peft import get_peft_model
-        from torch.distributed.device_mesh import init_device_mesh
-
         self.cfg, self.device = cfg, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(cfg.seed)
@@ -90,18 +86,14 @@ class RMTrainer:
         self.hf_config.architectures = [type(model).__name__]  # before FSDP2 renames the class
         dither_masters(model, cfg)
         if cfg.model.lora.rank:
+            from peft import get_peft_model
+
             model = get_peft_model(model, _peft_config(cfg.model.lora))
-        lc = cfg.learner
-        self.model = shard_model(model, init_device_mesh(device.type, (self.world,)), precision=lc.precision,
-                                 activation_checkpointing=lc.activation_checkpointing)
-        self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad], lr=cfg.rm.lr,
-                               weight_decay=cfg.train.weight_decay, eps=cfg.train.adam_eps)
+        self.model, self.optimizer = sharded_with_optimizer(model, cfg, device, self.world, cfg.rm.lr)
         self.steps_done = 0
 
     def schedule(self, total_steps: int) -> None:
-        rm = self.cfg.rm
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(rm.lr_schedule, total_steps, step))
+        self.scheduler = lr_scheduler(self.optimizer, self.cfg.rm.lr_schedule, total_steps)
 
     def scores(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """The head's score of each token sequence, [n] float32 ([] scores one pad token)."""
@@ -137,11 +129,7 @@ class RMTrainer:
         if self.world > 1:
             dist.all_reduce(totals)
         finite = math.isfinite(float(totals[0])) and math.isfinite(float(grad_norm))
-        if finite:  # the same on every rank: both figures are global
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        lr = apply_step(self.optimizer, self.scheduler, finite)
         self.steps_done += 1
         loss, correct, margin = (float(x) / len(batch) for x in totals)
         return {"rm/loss": loss, "rm/accuracy": correct, "rm/margin": margin, "rm/grad_norm": float(grad_norm),

@@ -40,10 +40,12 @@ class Demonstration:
         return sum(self.trained)
 
 
-def read_conversations(path: str | Path, split: str = "train", column: str = "messages") -> list[list[dict]]:
-    """Every row's conversation, checked. A .jsonl file is read line by line (no
-    `datasets` needed); anything else through `datasets` (tasks/dataset.py). ValueError
-    in one line naming the row for anything amiss."""
+def read_rows(path: str | Path, split: str = "train",
+              columns: Mapping[str, str] | None = None) -> list[tuple[str, Any]]:
+    """Every row of a file, each with where it is ("FILE:LINE", "FILE (split) row K"): a
+    .jsonl file read line by line (no `datasets` needed); anything else through
+    `datasets` (tasks/dataset.py), which must have `columns` (each with what names it,
+    for the error). ValueError in one line naming the line or the missing column."""
     path = Path(path)
     if path.suffix.lower() == ".jsonl" and path.is_file():
         rows = []
@@ -54,14 +56,21 @@ def read_conversations(path: str | Path, split: str = "train", column: str = "me
                 rows.append((f"{path}:{k}", json.loads(line)))
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{k}: not JSON ({err.msg})") from None
-    else:
-        from async_rl.tasks.dataset import load_split
+        return rows
+    from async_rl.tasks.dataset import load_split
 
-        data = load_split(path, split)
+    data = load_split(path, split)
+    for column, named_by in (columns or {}).items():
         if column not in data.column_names:
-            raise ValueError(f"{path} ({split}): no column {column!r} (sft.messages_column); it has "
+            raise ValueError(f"{path} ({split}): no column {column!r} ({named_by}); it has "
                              f"{', '.join(sorted(data.column_names))}")
-        rows = [(f"{path} ({split}) row {k}", row) for k, row in enumerate(data)]
+    return [(f"{path} ({split}) row {k}", row) for k, row in enumerate(data)]
+
+
+def read_conversations(path: str | Path, split: str = "train", column: str = "messages") -> list[list[dict]]:
+    """Every row's conversation, checked: ValueError in one line naming the row for
+    anything amiss."""
+    rows = read_rows(path, split, {column: "sft.messages_column"})
     if not rows:
         raise ValueError(f"{path}: no conversations")
     return [checked(row, where, column) for where, row in rows]

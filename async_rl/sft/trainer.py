@@ -56,6 +56,35 @@ def split_demonstrations(demos: Sequence[Demonstration], max_tokens: int, eval_f
     return Split([kept[i] for i in order[held:]], [kept[i] for i in order[:held]], cut)
 
 
+def sharded_with_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device, world: int,
+                           lr: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """`model` sharded by FSDP2 over `world` ranks with the learner's precision and
+    activation checkpointing, and the learner's AdamW on what it trains, at peak `lr`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    lc = cfg.learner
+    sharded = shard_model(model, init_device_mesh(device.type, (world,)), precision=lc.precision,
+                          activation_checkpointing=lc.activation_checkpointing)
+    return sharded, adamw([p for p in sharded.parameters() if p.requires_grad], lr=lr,
+                          weight_decay=cfg.train.weight_decay, eps=cfg.train.adam_eps)
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, schedule, total_steps: int):
+    """`schedule` (a ScheduleConfig) over `total_steps` optimizer steps."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(schedule, total_steps, step))
+
+
+def apply_step(optimizer: torch.optim.Optimizer, scheduler, finite: bool) -> float:
+    """The optimizer's step when the step's loss and gradient norm were finite (global
+    figures: the same on every rank), then the schedule's; the learning rate it used."""
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    return lr
+
+
 def rank_micro_batches(batch: Sequence, rank: int, world: int, size: int) -> list[list]:
     """This rank's share of `batch` (the same list on every rank) in micro-batches of
     `size`, as many as every other rank runs (FSDP's collectives run per forward and
@@ -81,8 +110,6 @@ def padded(demos: Sequence[Demonstration], pad_id: int, device) -> tuple[torch.T
 
 class SFTTrainer:
     def __init__(self, cfg: Config, device: torch.device, pad_id: int):
-        from torch.distributed.device_mesh import init_device_mesh
-
         self.cfg, self.device, self.pad_id = cfg, device, pad_id
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(cfg.seed)
@@ -92,17 +119,11 @@ class SFTTrainer:
             from async_rl.lora.adapters import with_adapters
 
             policy = with_adapters(policy, cfg.model.lora)
-        lc = cfg.learner
-        self.model = shard_model(policy, init_device_mesh(device.type, (self.world,)), precision=lc.precision,
-                                 activation_checkpointing=lc.activation_checkpointing)
-        self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad], lr=cfg.sft.lr,
-                               weight_decay=cfg.train.weight_decay, eps=cfg.train.adam_eps)
+        self.model, self.optimizer = sharded_with_optimizer(policy, cfg, device, self.world, cfg.sft.lr)
         self.steps_done = 0
 
     def schedule(self, total_steps: int) -> None:
-        sft = self.cfg.sft
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(sft.lr_schedule, total_steps, step))
+        self.scheduler = lr_scheduler(self.optimizer, self.cfg.sft.lr_schedule, total_steps)
 
     def _micro_batches(self, batch: Sequence[Demonstration]) -> list[list[Demonstration]]:
         return rank_micro_batches(batch, self.rank, self.world, self.cfg.learner.micro_batch_size)
@@ -130,11 +151,7 @@ class SFTTrainer:
         if self.world > 1:
             dist.all_reduce(total)
         finite = math.isfinite(float(total)) and math.isfinite(float(grad_norm))
-        if finite:  # the same on every rank: both figures are global
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        lr = apply_step(self.optimizer, self.scheduler, finite)
         self.steps_done += 1
         return {"sft/loss": float(total) / tokens, "sft/grad_norm": float(grad_norm), "sft/lr": lr,
                 "sft/tokens": tokens, "sft/skipped": 0.0 if finite else 1.0}
