@@ -75,8 +75,9 @@ def pinned_run(out: Path, model: Path, staleness: int, steps: int, learner_core:
     return run
 
 
-def speedup_table(p, staleness: int) -> str:
-    """Predicted samples/s of async (max_staleness) over sync, actors on their own devices."""
+def speedup_table(p, staleness: int, steps: int = 300, seeds: int = 3) -> str:
+    """Predicted samples/s of async (max_staleness) over sync, actors on their own
+    devices, each the mean of `seeds` simulations of `steps` steps."""
     ratios, actor_counts = (2, 3, 4, 5), (1, 2, 4, 8)
     lines = ["| generation / training per batch | " + " | ".join(f"{n} actor{'s' * (n > 1)}" for n in actor_counts)
              + " |", "|---|" + "---|" * len(actor_counts)]
@@ -84,11 +85,11 @@ def speedup_table(p, staleness: int) -> str:
     for r in ratios:
         scale = r * p.step_seconds / per_batch  # generation (and its overhead) scaled to r x the step
         q = replace(p, gen_seconds_per_group=[g * scale for g in p.gen_seconds_per_group],
-                    overhead_seconds_per_group=p.overhead_seconds_per_group * scale, steps=300)
+                    overhead_seconds_per_group=p.overhead_seconds_per_group * scale, steps=steps)
         cells = []
         for n in actor_counts:
-            sync = simulate(replace(with_actors(q, n), max_staleness=0, sync_every=1), seeds=3)["samples_per_s"]
-            fast = simulate(replace(with_actors(q, n), max_staleness=staleness), seeds=3)["samples_per_s"]
+            sync = simulate(replace(with_actors(q, n), max_staleness=0, sync_every=1), seeds=seeds)["samples_per_s"]
+            fast = simulate(replace(with_actors(q, n), max_staleness=staleness), seeds=seeds)["samples_per_s"]
             cells.append(f"{fast / sync:.2f}x")
         lines.append(f"| {r}x | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -108,11 +108,9 @@ class RMTrainer:
         return out.float()
 
     def _pair_scores(self, pairs: Sequence[Pair]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(chosen scores, rejected scores, margins) of `pairs`, both sides in one forward."""
+        """(chosen scores, rejected scores, margins) of `pairs` (not empty), both sides in one forward."""
         both = self.scores([p.chosen for p in pairs] + [p.rejected for p in pairs])
         margin = torch.tensor([p.margin for p in pairs], dtype=torch.float32, device=self.device)
-        if not pairs:  # a padding micro-batch (one pad token): its forward keeps the ranks' collectives in step
-            return both[:0], both[:0], both.sum() * 0.0
         return both[:len(pairs)], both[len(pairs):], margin
 
     def step(self, batch: Sequence[Pair]) -> dict[str, float]:
@@ -120,8 +118,11 @@ class RMTrainer:
         rm = self.cfg.rm
         totals = torch.zeros(3, device=self.device)  # loss, correct, margin: summed over pairs
         for micro in rank_micro_batches(batch, self.rank, self.world, self.cfg.learner.micro_batch_size):
+            if not micro:  # a padding micro-batch: its forward and backward keep the ranks' collectives in step
+                backward_share(self.scores([]).sum() * 0.0, self.world)
+                continue
             chosen, rejected, margin = self._pair_scores(micro)
-            loss = pair_loss(chosen, rejected, margin, rm.center_coef).sum() if micro else margin
+            loss = pair_loss(chosen, rejected, margin, rm.center_coef).sum()
             backward_share(loss / len(batch), self.world)
             with torch.no_grad():
                 totals += torch.stack([loss.detach(), (chosen > rejected).float().sum(), (chosen - rejected).sum()])
@@ -141,9 +142,10 @@ class RMTrainer:
         r_c - r_r, mean loss, and the mean and std of every side's score."""
         totals = torch.zeros(5, dtype=torch.float64, device=self.device)  # loss, correct, margin, sum, sum sq
         for micro in rank_micro_batches(pairs, self.rank, self.world, self.cfg.learner.micro_batch_size):
-            chosen, rejected, margin = self._pair_scores(micro)
-            if not micro:
+            if not micro:  # a padding micro-batch: its forward keeps the ranks' collectives in step
+                self.scores([])
                 continue
+            chosen, rejected, margin = self._pair_scores(micro)
             both = torch.cat([chosen, rejected]).double()
             totals += torch.stack([pair_loss(chosen, rejected, margin, 0.0).sum().double(),
                                    (chosen > rejected).double().sum(), (chosen - rejected).double().sum(),

@@ -57,12 +57,13 @@ def test_pairs_train_a_reward_model_well_above_chance_and_a_run_scores_with_it(c
 
 def test_two_ranks_train_as_one(chat_model, tmp_path):
     pairs = write_pairs(tmp_path / "pairs.jsonl", 40)
-    common = (f"rm.data={pairs}", "rm.batch_size=8", "rm.eval_fraction=0", "learner.micro_batch_size=2", "rm.lr=1e-3")
+    # 5 pairs a step, 2 a micro-batch: one rank takes 3, the other 2 and a padding micro-batch.
+    common = (f"rm.data={pairs}", "rm.batch_size=5", "rm.eval_fraction=0", "learner.micro_batch_size=2", "rm.lr=1e-3")
     one = rm(tmp_path / "one", chat_model, *common, "learner.ranks=1")
     two = rm(tmp_path / "two", chat_model, *common, "learner.ranks=2")
     assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
     a, b = metrics(tmp_path / "one", "rm/loss"), metrics(tmp_path / "two", "rm/loss")
-    assert len(a) == len(b) == 5
+    assert len(a) == len(b) == 8
     assert b[0] == pytest.approx(a[0], rel=1e-5)  # the same pairs; float32 sums in another order
     assert b == pytest.approx(a, rel=1e-3)
 

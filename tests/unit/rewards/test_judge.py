@@ -45,7 +45,7 @@ class FakeJudgeServer(BaseHTTPRequestHandler):
 def server():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeJudgeServer)
     httpd.requests, httpd.release = [], threading.Event()
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield httpd, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
     httpd.release.set()
