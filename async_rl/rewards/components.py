@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from async_rl.rewards.judge import DEFAULT_TEMPLATE, JUDGE, Judge
+from async_rl.rewards.judge import JUDGE, Judge
 from async_rl.rewards.outcome import RESPONSE_END, Failed, StepRewards, as_outcome, failure_note
 from async_rl.rewards.reward_model import PROCESS_REWARD_MODEL, REWARD_MODEL, ProcessRewardModel, RewardModel
 from async_rl.wire.messages import FAILURE_REASONS
@@ -197,14 +197,11 @@ def components_from_config(components: list[dict], task_reward: Callable, timeou
     def source(c: dict) -> Callable:
         if c["reward"] == TASK_REWARD:
             return task_reward
-        if c["reward"] == JUDGE:
-            judge = c.get("judge") or {}
-            key_env = judge.get("api_key_env")
-            return Judge(url=judge.get("url"), model=c.get("model") if not judge.get("url") else None,
-                         served_model=judge.get("served_model", "judge"),
-                         template=judge.get("template", DEFAULT_TEMPLATE), parser=judge.get("parser", "verdict"),
-                         max_tokens=judge.get("max_tokens", 16), retries=judge.get("retries", 3),
-                         timeout_s=0.9 * timeout_s, api_key=os.environ.get(key_env) if key_env else None)
+        if c["reward"] == JUDGE:  # within the call's deadline, so that it fails as itself
+            judge = dict(c.get("judge") or {})  # reward.components[].judge: Judge's own keywords
+            key_env = judge.pop("api_key_env", None)
+            return Judge(**judge, model=None if judge.get("url") else c.get("model"), timeout_s=0.9 * timeout_s,
+                         api_key=os.environ.get(key_env) if key_env else None)
         scale = {"normalize": c.get("normalize", True), "clip": c.get("clip")}
         if c["reward"] == REWARD_MODEL:
             return RewardModel(c["model"], **scale)

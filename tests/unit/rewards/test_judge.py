@@ -123,3 +123,14 @@ def test_a_judge_is_a_server_or_a_model():
         build_config({"reward": {"components": [{"name": "j", "reward": "judge"}]}})
     with pytest.raises(Exception, match="`judge` is for `reward: judge`"):
         build_config({"reward": {"components": [{"name": "j", "reward": "task", "judge": {"url": "http://x"}}]}})
+
+
+def test_the_judge_section_holds_the_judges_own_keywords_and_template():
+    import inspect
+
+    from async_rl.actor.config import JudgeConfig
+    from async_rl.rewards.judge import DEFAULT_TEMPLATE
+
+    section = JudgeConfig().model_dump()
+    assert set(section) - {"api_key_env"} <= set(inspect.signature(Judge).parameters)
+    assert section["template"] == DEFAULT_TEMPLATE
