@@ -51,7 +51,7 @@ def reward_head(path: str, hidden_size: int) -> torch.Tensor:
     for file in files:
         with safe_open(str(file), framework="pt") as tensors:
             for name in tensors.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if name.split(".")[-2:] == ["score", "weight"] or name == "score.weight":
+                if name.split(".")[-2:] == ["score", "weight"]:
                     weight = tensors.get_tensor(name)
                     if tuple(weight.shape) != (1, hidden_size):
                         raise ValueError(f"{path}: its score head is {tuple(weight.shape)}, not (1, {hidden_size}): "
