@@ -1,5 +1,5 @@
 """Command line: `async-rl train`, `async-rl sft`, `async-rl rm`, `async-rl eval`, `async-rl prepare`, `async-rl actor`,
-`async-rl keys`, `async-rl config-doc`, `async-rl convert-gguf`."""
+`async-rl reward-server`, `async-rl keys`, `async-rl config-doc`, `async-rl convert-gguf`."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     p_actor.add_argument("--connect-timeout", type=float, default=60.0, metavar="S",
                          help="keep trying a hub that does not answer (with --run-dir: that has not started) for S "
                          "seconds, then exit 2 (default 60)")
+    p_server = sub.add_parser("reward-server", help="serve the config's placement: server reward components to "
+                                                    "actors (reward_server.endpoint); `train` starts one itself")
+    p_server.add_argument("config", help="YAML config file (see configs/)")
+    p_server.add_argument("overrides", nargs="*", help="dotted overrides, e.g. reward_server.max_batch=16")
+    p_server.add_argument("--bind", default="tcp://127.0.0.1:0",
+                          help="where to listen, tcp://HOST:PORT (default: a free loopback port, printed)")
     p_keys = sub.add_parser("keys", help="make CURVE key pairs for security.curve=true")
     p_keys.add_argument("dir", help="directory to write server.key*, client.key* and authorized/ into")
     sub.add_parser("config-doc", help="print the config reference as a markdown table")
@@ -75,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"async-rl: {err}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "reward-server":
+        from async_rl.reward_server.server import main as serve
+
+        return serve([args.config, *args.overrides, "--bind", args.bind])
     if args.command == "keys":
         from async_rl.wire.curve import make_keys
 

@@ -63,6 +63,7 @@ class RewardComponentConfig(Section):
     aggregate: Literal["steps", "min", "last", "mean"] = Field("steps", description="With reward: prm, the sample's reward: `steps`, each step's score a step reward (train.advantage.name=grpo_process) summing to it; or their min, last or mean.")
     judge: JudgeConfig | None = Field(None, description="With reward: judge, the judge (its server, or `model`), its question and how its reply is read.")
     scope: Literal["sample", "group"] = Field("sample", description="`group`: f(prompt, responses, answer, ...) scores a prompt's whole group at once (pairwise, listwise judges), one score per response.")
+    placement: Literal["inline", "server"] = Field("inline", description="With reward: reward_model, prm or a judge's `model`: `inline`, a copy per reward worker; `server`, one copy in the reward server (`reward_server`), batched across actors.")
 
     @model_validator(mode="after")
     def _model_for_a_reward_model(self) -> RewardComponentConfig:
@@ -75,6 +76,9 @@ class RewardComponentConfig(Section):
                              f"`judge` (component {self.name!r})")
         if self.judge is not None and self.reward != "judge":
             raise ValueError(f"reward.components: `judge` is for `reward: judge` (component {self.name!r})")
+        if self.placement == "server" and (self.model is None or self.reward not in ("reward_model", "prm", "judge")):
+            raise ValueError(f"reward.components: placement: server is for a reward_model, prm or judge `model` "
+                             f"(component {self.name!r})")
         if self.scope == "group" and self.reward in ("task", "reward_model", "prm", "judge"):
             raise ValueError(f"reward.components: scope: group is for a function of a group's responses, "
                              f"not {self.reward!r} (component {self.name!r})")

@@ -10,6 +10,7 @@ from async_rl.config.section import Section
 from async_rl.coordinator.config import EvalConfig
 from async_rl.learner.config import CheckpointConfig, LearnerConfig, TrainConfig
 from async_rl.models.config import ModelConfig
+from async_rl.reward_server.config import RewardServerConfig
 from async_rl.rm.config import RMConfig
 from async_rl.run.config import MetricsConfig
 from async_rl.sft.config import SFTConfig
@@ -26,6 +27,7 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=ArithmeticConfig, description="Prompt source and scoring.")
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    reward_server: RewardServerConfig = Field(default_factory=RewardServerConfig, description="The reward server of `placement: server` components.")
     actors: ActorsConfig = Field(default_factory=ActorsConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

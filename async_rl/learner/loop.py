@@ -196,6 +196,11 @@ class Loop:
         errors = data.errors
         if errors.in_environment():
             culprit, counts, fix = f"environment {self.cfg.env.name}", errors.env, "fix the environment"
+        elif self.cfg.reward.components:
+            served = any(c.placement == "server" for c in self.cfg.reward.components)
+            culprit, counts = "reward.components", errors.reward
+            fix = "fix the failing component" + (" or the reward server (its log: logs/reward-server.log)"
+                                                 if served else "")
         else:
             culprit, counts, fix = "task.reward", errors.reward, "fix task.reward"
         first = f"; first: {errors.first}" if errors.first else ""

@@ -126,8 +126,8 @@ class Components:
 
     def score_batch(self, calls: list[tuple[str, str, str, dict]], group: bool = False) -> list[ComponentScores]:
         """Every component of each (prompt, response, answer, fields): a batch source
-        (`score_batch(prompts, responses)`), and with `group` (the calls are one prompt's
-        group) a group-scope one, once for all, its time shared evenly; the others call
+        (`score_batch(prompts, responses, answers)`: a score or an exception per row),
+        and with `group` (the calls are one prompt's group) a group-scope one, once for all, its time shared evenly; the others call
         by call."""
         n = len(calls)
         values = [[0.0] * len(self.functions) for _ in range(n)]
@@ -159,7 +159,7 @@ class Components:
                         prompt, _, answer, fields = calls[0]
                         batch = list(fn(prompt, [c[1] for c in calls], answer, **fields))
                     else:
-                        batch = fn.score_batch([c[0] for c in calls], [c[1] for c in calls])
+                        batch = fn.score_batch([c[0] for c in calls], [c[1] for c in calls], [c[2] for c in calls])
                     if len(batch) != n:
                         raise ValueError(f"returned {len(batch)} scores for {n} responses")
                 except Exception as err:  # noqa: BLE001 - every sample's component failed
@@ -190,25 +190,34 @@ def _raise_or(value):
 
 def components_from_config(components: list[dict], task_reward: Callable, timeout_s: float = 10.0) -> Components:
     """`reward.components` (as dicts: name, reward, weight) with `task_reward` standing for
-    `task`; `timeout_s` (reward.timeout_s) bounds a remote judge's retries."""
+    `task`; `timeout_s` (reward.timeout_s) bounds a remote source's wait."""
+    return Components([(c["name"], c["weight"], build_source(c, task_reward, timeout_s)) for c in components],
+                      frozenset(c["name"] for c in components if c.get("scope") == "group"))
+
+
+def build_source(c: dict, task_reward: Callable | None, timeout_s: float, device: str = "cpu") -> Callable:
+    """What scores component `c`: in this process, or through the reward server at
+    `c["server_endpoint"]` when it has placement: server (the server itself builds it
+    here, on `device`). A remote source answers within 0.9 * `timeout_s`, so that it
+    fails as itself before the call's deadline."""
     from async_rl.tasks import load_reward_fn
     from async_rl.tasks.rows import with_fields
 
-    def source(c: dict) -> Callable:
-        if c["reward"] == TASK_REWARD:
-            return task_reward
-        if c["reward"] == JUDGE:  # within the call's deadline, so that it fails as itself
-            judge = dict(c.get("judge") or {})  # reward.components[].judge: Judge's own keywords
-            key_env = judge.pop("api_key_env", None)
-            return Judge(**judge, model=None if judge.get("url") else c.get("model"), timeout_s=0.9 * timeout_s,
-                         api_key=os.environ.get(key_env) if key_env else None)
-        scale = {"normalize": c.get("normalize", True), "clip": c.get("clip")}
-        if c["reward"] == REWARD_MODEL:
-            return RewardModel(c["model"], **scale)
-        if c["reward"] == PROCESS_REWARD_MODEL:
-            return ProcessRewardModel(c["model"], separator=c.get("separator", "\n\n"),
-                                      aggregate=c.get("aggregate", "steps"), **scale)
-        return with_fields(load_reward_fn(c["reward"]))  # a group-scope f(prompt, responses, answer, ...) alike
+    if c.get("server_endpoint"):
+        from async_rl.reward_server.client import ServerScorer
 
-    return Components([(c["name"], c["weight"], source(c)) for c in components],
-                      frozenset(c["name"] for c in components if c.get("scope") == "group"))
+        return ServerScorer(c["server_endpoint"], c["name"], 0.9 * timeout_s)
+    if c["reward"] == TASK_REWARD:
+        return task_reward
+    if c["reward"] == JUDGE:
+        judge = dict(c.get("judge") or {})  # reward.components[].judge: Judge's own keywords
+        key_env = judge.pop("api_key_env", None)
+        return Judge(**judge, model=None if judge.get("url") else c.get("model"), timeout_s=0.9 * timeout_s,
+                     api_key=os.environ.get(key_env) if key_env else None, device=device)
+    scale = {"normalize": c.get("normalize", True), "clip": c.get("clip"), "device": device}
+    if c["reward"] == REWARD_MODEL:
+        return RewardModel(c["model"], **scale)
+    if c["reward"] == PROCESS_REWARD_MODEL:
+        return ProcessRewardModel(c["model"], separator=c.get("separator", "\n\n"),
+                                  aggregate=c.get("aggregate", "steps"), **scale)
+    return with_fields(load_reward_fn(c["reward"]))  # a group-scope f(prompt, responses, answer, ...) alike

@@ -3,8 +3,9 @@ prompt template, whether (or how well) a response answers its prompt, and its re
 parsed into a score.
 
 The judge is a service behind an OpenAI-compatible chat-completions API (`url`: vLLM's,
-SGLang's or a hosted model's server) or a causal LM directory (`model`) run greedily in
-the reward's worker. The template gets `{prompt}`, `{response}` and `{answer}`; the
+SGLang's or a hosted model's server) or a causal LM directory (`model`) run greedily on
+our torch engine, in the reward's worker or, with `placement: server`, in the reward
+server, which judges a batch of questions in one generate call. The template gets `{prompt}`, `{response}` and `{answer}`; the
 reply is parsed as a `verdict` (its first word yes/no, correct/incorrect, true/false:
 1 or 0) or a `score` (its first number). A reply neither parser reads is unscorable
 (`not_a_number`), never a 0; a service that stays unreachable or failing after its
@@ -51,7 +52,7 @@ def parse(reply: str, parser: str) -> float:
 class Judge:
     def __init__(self, *, url: str | None = None, model: str | Path | None = None, served_model: str = "judge",
                  template: str = DEFAULT_TEMPLATE, parser: str = "verdict", max_tokens: int = 16,
-                 timeout_s: float = 10.0, retries: int = 3, api_key: str | None = None) -> None:
+                 timeout_s: float = 10.0, retries: int = 3, api_key: str | None = None, device: str = "cpu") -> None:
         if (url is None) == (model is None):
             raise ValueError("a judge is a `url` or a `model`, one of them")
         self.url = url.rstrip("/") + "/chat/completions" if url and not url.rstrip("/").endswith("/chat/completions") \
@@ -61,35 +62,73 @@ class Judge:
         self.cache: OrderedDict[tuple, float] = OrderedDict()
         self.calls = self.hits = self.tokens = 0
         self.seconds = 0.0
-        self.local = None if model is None else _LocalJudge(model)
+        self.local = None if model is None else _LocalJudge(model, device)
 
     def __call__(self, prompt: str, response: str, answer: str, **fields) -> float:
-        key = (prompt, response, answer, self.template)
-        if key in self.cache:
-            self.hits += 1
-            self.cache.move_to_end(key)
-            return self.cache[key]
-        question = self.template.format(prompt=prompt, response=response, answer=answer)
-        started = time.perf_counter()
-        try:
-            if self.local is not None:
-                reply = self.local.reply(question, self.max_tokens)
-                self.tokens += self.local.generated
-            else:
-                reply = self._ask(question)
-        finally:
-            self._count(time.perf_counter() - started)
-        score = parse(reply, self.parser)
-        self.cache[key] = score
-        if len(self.cache) > CACHE_SIZE:
-            self.cache.popitem(last=False)
+        score = self.score_batch([prompt], [response], [answer])[0]
+        if isinstance(score, Failed):
+            raise score
         return score
 
-    def _count(self, seconds: float) -> None:
+    def question(self, prompt: str, response: str, answer: str) -> str:
+        return self.template.format(prompt=prompt, response=response, answer=answer)
+
+    def count_tokens(self, prompt: str, response: str, answer: str = "") -> int:
+        """The tokens of the question and its longest reply (what the reward server batches by)."""
+        text = self.question(prompt, response, answer)
+        return (len(self.local.tokenizer(text)["input_ids"]) if self.local else len(text) // 4) + self.max_tokens
+
+    def score_batch(self, prompts: list[str], responses: list[str], answers: list[str] | None = None) -> list:
+        """Per row, its score or the Failed that says why it has none: the cache's, else the
+        judge's (a local model's in one generate call, a server's one request at a time)."""
+        answers = answers if answers is not None else [""] * len(prompts)
+        keys = [(p, r, a, self.template) for p, r, a in zip(prompts, responses, answers)]
+        scores: list = [None] * len(keys)
+        asked: dict[tuple, list[int]] = {}
+        for i, key in enumerate(keys):
+            if key in self.cache:
+                self.hits += 1
+                self.cache.move_to_end(key)
+                scores[i] = self.cache[key]
+            else:
+                asked.setdefault(key, []).append(i)
+        if not asked:
+            return scores
+        started = time.perf_counter()
+        questions = [self.question(*key[:3]) for key in asked]
+        try:
+            if self.local is not None:
+                replies = self.local.replies(questions, self.max_tokens)
+                self.tokens += self.local.generated
+            else:
+                replies = [self._ask_or_fail(q) for q in questions]
+        finally:
+            self._count(time.perf_counter() - started, len(questions))
+        for key, reply in zip(asked, replies):
+            try:
+                score = reply if isinstance(reply, Failed) else parse(reply, self.parser)
+            except Failed as failure:
+                score = failure
+            if not isinstance(score, Failed):
+                self.cache[key] = score
+                if len(self.cache) > CACHE_SIZE:
+                    self.cache.popitem(last=False)
+            for i in asked[key]:
+                scores[i] = score
+        return scores
+
+    def _ask_or_fail(self, question: str) -> str | Failed:
+        try:
+            return self._ask(question)
+        except Failed as failure:
+            return failure
+
+    def _count(self, seconds: float, calls: int = 1) -> None:
         """Every LOG_EVERY calls asked, one line in the actor's log: the judge's time and
         tokens per call, and the share the cache answered."""
-        self.calls, self.seconds = self.calls + 1, self.seconds + seconds
-        if self.calls % LOG_EVERY == 0:
+        before = self.calls
+        self.calls, self.seconds = self.calls + calls, self.seconds + seconds
+        if self.calls // LOG_EVERY > before // LOG_EVERY:
             print(f"judge: {self.calls} calls asked, {self.seconds / self.calls:.3f} s and "
                   f"{self.tokens / self.calls:.1f} reply tokens per call; {self.hits} more answered by the cache",
                   file=sys.stderr, flush=True)
@@ -115,27 +154,27 @@ class Judge:
 
 
 class _LocalJudge:
-    """A causal LM directory answering greedily on this worker's one torch thread, through
-    its chat template when it has one."""
+    """A causal LM directory answering greedily on our torch engine, questions of a batch
+    in one generate call, through its chat template when it has one."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, device: str = "cpu") -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        self.torch = torch
+        from async_rl.actor.engines import make_engine
+
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.engine = make_engine("torch", model_or_path=str(path), device=device, dtype=torch.float32)
         self.templated = bool(getattr(self.tokenizer, "chat_template", None))
+        self.generated = 0
 
-    def reply(self, question: str, max_tokens: int) -> str:
+    def replies(self, questions: list[str], max_tokens: int) -> list[str]:
         if self.templated:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                                      add_generation_prompt=True)
-            ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")
+            texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                        add_generation_prompt=True) for q in questions]
+            ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         else:
-            ids = self.tokenizer(question, return_tensors="pt")
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        with self.torch.inference_mode():
-            out = self.model.generate(**ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
-        self.generated = out.shape[1] - ids["input_ids"].shape[1]
-        return self.tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+            ids = [self.tokenizer(q)["input_ids"] for q in questions]
+        completions = self.engine.generate(ids, max_new_tokens=max_tokens, greedy=True)
+        self.generated = sum(len(c[0]) for c in completions)
+        return [self.tokenizer.decode(c[0].tokens.tolist(), skip_special_tokens=True) for c in completions]

@@ -39,7 +39,7 @@ NORMALIZATION_FILE = "reward_normalization.json"  # the scores' mean and std, as
 
 class RewardModel:
     def __init__(self, path: str | Path, *, batch_size: int = 8, max_tokens: int = 4096, normalize: bool = True,
-                 clip: float | None = None) -> None:
+                 clip: float | None = None, device: str = "cpu") -> None:
         """`normalize`: scores as (score - mean) / std by the directory's NORMALIZATION_FILE,
         when it has one; `clip`: then clamped to +-clip."""
         import torch
@@ -47,7 +47,8 @@ class RewardModel:
 
         self.torch, self.batch_size, self.max_tokens = torch, batch_size, max_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {path}: a reward model has one output, this one has "
                              f"{self.model.config.num_labels} (num_labels)")
@@ -75,14 +76,19 @@ class RewardModel:
                 [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], tokenize=False)
         return prompt + response
 
-    def score_batch(self, prompts: list[str], responses: list[str]) -> list[float]:
+    def count_tokens(self, prompt: str, response: str, answer: str = "") -> int:
+        """The tokens the model reads for this pair (what the reward server batches by)."""
+        return min(len(self.tokenizer(self.text(prompt, response), add_special_tokens=not self.templated)["input_ids"]),
+                   self.max_tokens)
+
+    def score_batch(self, prompts: list[str], responses: list[str], answers: list[str] | None = None) -> list[float]:
         """One score per (prompt, response), computed `batch_size` at a time."""
         scores: list[float] = []
         for start in range(0, len(prompts), self.batch_size):
             texts = [self.text(p, r) for p, r in zip(prompts[start:start + self.batch_size],
                                                      responses[start:start + self.batch_size])]
             batch = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
-                                   max_length=self.max_tokens, add_special_tokens=not self.templated)
+                                   max_length=self.max_tokens, add_special_tokens=not self.templated).to(self.device)
             with self.torch.inference_mode():
                 scores += [self.normalized(x) for x in self.model(**batch).logits[:, 0].float().tolist()]
         return scores
@@ -110,13 +116,15 @@ class ProcessRewardModel(RewardModel):
         batch = self.tokenizer(text, return_tensors="pt", truncation=True, max_length=self.max_tokens,
                                add_special_tokens=not self.templated, return_offsets_mapping=True)
         offsets = batch.pop("offset_mapping")[0]
+        batch = batch.to(self.device)
         positions = [_token_at(offsets, start + max(end, 1) - 1) for end in ends]
         with self.torch.inference_mode():
             hidden = self.model.base_model(**batch).last_hidden_state[0]
             scores = self.head(hidden[positions]).float()[:, 0].tolist()
         return StepRewards([(max(end, 1), self.normalized(score)) for end, score in zip(ends, scores)])
 
-    def score_batch(self, prompts: list[str], responses: list[str]) -> list[StepRewards | float]:
+    def score_batch(self, prompts: list[str], responses: list[str],
+                    answers: list[str] | None = None) -> list[StepRewards | float]:
         """Per (prompt, response): its steps' scores, or their min, last or mean."""
         out: list[StepRewards | float] = []
         for prompt, response in zip(prompts, responses):
@@ -125,6 +133,21 @@ class ProcessRewardModel(RewardModel):
             out.append(steps if self.aggregate == "steps" else {"min": min(scores), "last": scores[-1],
                                                                 "mean": sum(scores) / len(scores)}[self.aggregate])
         return out
+
+
+def weights_version(path: str | Path) -> str:
+    """A model directory's version: the first 12 hex digits of the SHA-256 of its config
+    and weight files, in name order (a retrained model in the same place is another)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for file in sorted(Path(path).iterdir()):
+        if file.name == "config.json" or file.suffix in (".safetensors", ".bin"):
+            digest.update(file.name.encode())
+            with file.open("rb") as stream:
+                while chunk := stream.read(1 << 24):
+                    digest.update(chunk)
+    return digest.hexdigest()[:12]
 
 
 def _token_at(offsets, char: int) -> int:

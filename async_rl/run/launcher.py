@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from async_rl.config import Config, ConfigError, from_yaml, resolve_run_dir, to_yaml
 from async_rl.device import device_type
+from async_rl.reward_server.process import ServerProcess
 from async_rl.run.checkpoints import latest_intact_checkpoint
 from async_rl.run.checks import check_engine, check_lora, check_task, task_of
 from async_rl.run.directory import RunDir
@@ -245,7 +246,7 @@ def _learner_workers(torchrun: subprocess.Popen) -> list[int]:
 
 
 def _spawn_actor(cfg: Config, i: int, logs: Path, hub: str | None = None, run_dir: Path | None = None,
-                 hub_wait_s: float = 0.0) -> subprocess.Popen:
+                 hub_wait_s: float = 0.0, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Actor i, joining `hub`, or the hub `run_dir`'s learner is about to start: then it
     imports and starts up while the learner does, and waits up to `hub_wait_s` for it."""
     where = ["--hub", hub] if hub is not None else ["--run-dir", str(run_dir)]
@@ -255,7 +256,8 @@ def _spawn_actor(cfg: Config, i: int, logs: Path, hub: str | None = None, run_di
         return subprocess.Popen(
             [sys.executable, "-m", "async_rl.cli", "actor", *where, "--name", f"actor-{i}",
              "--connect-timeout", str(wait_s), *(["--keys", cfg.security.keys_dir] if cfg.security.curve else [])],
-            env=_child_env(cfg.actors.threads), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env=dict(_child_env(cfg.actors.threads), **(env or {})), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
             preexec_fn=child_of(os.getpid()))
     finally:
         out.close()
@@ -288,6 +290,9 @@ def _train(cfg: Config, resume: str | None) -> int:
     actors: list[subprocess.Popen] = []
     restarts = 0
     stop_signal = 0
+    failure = None
+    server = ServerProcess.for_run(cfg, run_dir, _child_env(cfg.reward_server.threads), child_of(os.getpid()))
+    actor_env = server.actor_env if server else {}
 
     def on_signal(signum, _frame):
         nonlocal stop_signal
@@ -299,10 +304,23 @@ def _train(cfg: Config, resume: str | None) -> int:
         # Loading a large model comes before the hub: give start-up at least HUB_START_S.
         # The actors start at once: their imports and set-up overlap the learner's.
         hub_wait_s = max(cfg.learner.timeout_s, HUB_START_S)
-        actors = [_spawn_actor(cfg, i, logs, run_dir=run_dir, hub_wait_s=hub_wait_s) for i in range(cfg.actors.count)]
+        if server:  # its models load while the learner and the actors start; actors score once it serves
+            server.start()
+        actors = [_spawn_actor(cfg, i, logs, run_dir=run_dir, hub_wait_s=hub_wait_s, env=actor_env)
+                  for i in range(cfg.actors.count)]
+        if server:
+            try:
+                server.wait_ready(lambda: "interrupted while the reward server was starting" if stop_signal else
+                                  f"the learner exited with status {learner.returncode} while the reward server was "
+                                  f"starting" if learner.poll() is not None else None)
+            except RuntimeError as err:
+                failure = str(err)
+                raise
         hub = _wait_for_hub(run_dir, learner, timeout_s=hub_wait_s, stopping=lambda: bool(stop_signal))
         while learner.poll() is None and not stop_signal:
             time.sleep(0.2)
+            if server:
+                server.watch(_say)
             for i, actor in enumerate(actors):
                 # Exit 0 is an actor the hub said goodbye to; anything else died.
                 if actor.poll() not in (None, 0) and learner.poll() is None and not stop_signal:
@@ -311,7 +329,7 @@ def _train(cfg: Config, resume: str | None) -> int:
                     restarts += 1
                     _say(f"actor-{i} exited with status {actor.returncode}; restarting it ({restarts} of "
                          f"actors.max_restarts={cfg.actors.max_restarts}; its log: {logs / f'actor-{i}.log'})")
-                    actors[i] = _spawn_actor(cfg, i, logs, hub=hub)
+                    actors[i] = _spawn_actor(cfg, i, logs, hub=hub, env=actor_env)
         if stop_signal:
             # The ranks finish their step, write a checkpoint and final/, and the hub
             # tells the actors goodbye; they are only killed if they do not leave.
@@ -329,12 +347,18 @@ def _train(cfg: Config, resume: str | None) -> int:
         _say(str(err))
     finally:
         stopped_by = stop_signal  # one that comes later finds the run already over
-        _stop([learner, *actors], signal.SIGTERM)
-        _wait_all([learner, *actors], 5.0)
-        _stop([learner, *actors], signal.SIGKILL)
-        _wait_all([learner, *actors], 5.0)
+        everyone = [learner, *actors, *([server.proc] if server and server.proc else [])]
+        _stop(everyone, signal.SIGTERM)
+        _wait_all(everyone, 5.0)
+        _stop(everyone, signal.SIGKILL)
+        _wait_all(everyone, 5.0)
         lock.release()
     run = RunDir(run_dir)
+    if failure and not stopped_by:
+        with contextlib.suppress(OSError):
+            write_status(run_dir, 1, failure)
+        print_summary(run_dir)
+        return 1
     status = run.status()
     if not stopped_by and learner.returncode == 0 and status and not status["exit_code"] and cfg.eval.final_dtypes \
             and run.final_model():

@@ -1,7 +1,7 @@
 """`async-rl rm` as a user runs it (a subprocess; under torchrun with two ranks): pairs
 of a hidden preference of our own (the answer in a sentence over a bare or evasive
 one) train a tiny random chat model's head well above chance, and `async-rl train`
-scores with the model it writes; two ranks train as one; LoRA merges into the head's
+scores with the model it writes, in the reward server; two ranks train as one; LoRA merges into the head's
 model; bad pairs are one line, exit 2; Ctrl-C is one line, exit 130."""
 import json
 import random
@@ -46,13 +46,16 @@ def test_pairs_train_a_reward_model_well_above_chance_and_a_run_scores_with_it(c
     assert "reward model in" in proc.stderr.strip().splitlines()[-1]
     normalization = json.loads((out / "reward_normalization.json").read_text())
     assert normalization["pairs"] == 270 and normalization["std"] > 0
-    run = tmp_path / "run"  # the demo policy, scored by the chat reward model with its own template
+    run = tmp_path / "run"  # the demo policy, scored by the chat reward model with its own template, in the server
     train(run, demo_model, "train.max_steps=2", "eval.every=0",
-          f"reward.components=[{{name: rm, reward: reward_model, model: {out}}}, {{name: exact, reward: task, "
-          "weight: 0}]")
+          f"reward.components=[{{name: rm, reward: reward_model, model: {out}, placement: server}}, "
+          "{name: exact, reward: task, weight: 0}]")
     steps, _ = read_metrics(run)
     assert [s["step"] for s in steps] == [1, 2] and all(s["reward/rm/error_frac"] == 0.0 for s in steps)
     assert all(s["train/reward_mean"] == pytest.approx(s["reward/rm/mean"], rel=1e-5) for s in steps)
+    version = json.loads((run / "reward_server.json").read_text())["versions"]["rm"]
+    assert f"version {version}" in (run / "logs" / "actor-0.log").read_text()
+    assert "stopped (SIGTERM)" in (run / "logs" / "reward-server.log").read_text()
 
 
 def test_two_ranks_train_as_one(chat_model, tmp_path):

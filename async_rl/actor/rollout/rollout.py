@@ -29,6 +29,7 @@ from async_rl.actor.rollout.episode import Episode
 from async_rl.actor.rollout.episodes import Environments, Limits, Sampling, run_episodes
 from async_rl.actor.rollout.turns import TurnFormat
 from async_rl.config import Config
+from async_rl.reward_server.config import with_server_endpoints
 from async_rl.rewards.components import Components, ComponentScores, components_from_config
 from async_rl.rewards.outcome import Failed, StepRewards, as_outcome, failure_note
 from async_rl.rewards.pool import Call as RewardCall
@@ -135,7 +136,12 @@ class Rollout:
                                         TurnFormat(prompt_format))
             limits = eval_limits = Limits(env.max_turns, env.max_tokens, env.turn_tokens or a.max_new_tokens)
         pool = components = None
-        parts = [c.model_dump() for c in cfg.reward.components]
+        parts = with_server_endpoints([c.model_dump() for c in cfg.reward.components], cfg.reward_server)
+        served = next((c["server_endpoint"] for c in parts if c.get("server_endpoint")), None)
+        if served and environments is None:  # it may still be loading its models: no sample scored before it serves
+            from async_rl.reward_server.client import wait_until_serving
+
+            wait_until_serving(served, cfg.reward_server.start_timeout_s)
         if environments is None and cfg.reward.executor == "process":
             pool = RewardPool(cfg.task.model_dump(mode="json"), cfg.seed, processes=cfg.reward.workers,
                               timeout_s=cfg.reward.timeout_s, components=parts)
