@@ -14,9 +14,10 @@ row at a time does, and how long actors wait for it in real runs.
   batch) and RewardModel's, one row at a time in this process.
 - --runs N: N runs each of `async-rl train --config` with RM_DIR as the only trained
   reward (placement: server) and the task's watched at weight 0, with 1 and with 2
-  actors, --steps steps, no evaluation: the actors' seconds per step waiting for their
-  rewards (`wait-for-rewards` spans, trace.json), samples/s from the end of step 1, the
-  server's mean batch (its status file).
+  actors, --steps steps, no evaluation: per step, the seconds the actors' grants spend
+  being scored by the server and the actors spend blocked on it, generating, and the
+  learner waiting for data (trace.json); samples/s from the end of step 1; the server's
+  mean batch (its status file).
 Prints one JSON line per measurement; nothing is written unless --out.
 """
 from __future__ import annotations
@@ -129,11 +130,30 @@ def batched_vs_alone(rm: Path, rows: list, batched: list[float]) -> dict:
             "max_abs_diff": max(abs(a - b) for a, b in zip(alone, batched))}
 
 
-def actor_wait(rm: Path, config: str, runs: int, steps: int, out: Path) -> dict:
+def run_figures(run_dir: Path) -> dict[str, float]:
+    """A finished run's seconds per step: its actors' grants being scored by the server
+    (`score` spans, off the generation path), its actors blocked waiting for those scores
+    (`wait-for-rewards`), generating, and the learner waiting for data; samples/s from the
+    end of step 1; the server's mean batch (its status file)."""
     from async_rl.run.directory import read_trace
 
-    figures: dict[int, dict[str, list[float]]] = {n: {"wait_s_per_step": [], "samples_per_s": [], "mean_batch": []}
-                                                  for n in (1, 2)}
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    stepped = [s for s in lines if "train/samples" in s]
+    first, last = stepped[0], stepped[-1]
+    spans = read_trace(run_dir / "trace.json") or []
+    status = json.loads((run_dir / "reward_server.json").read_text())
+
+    def per_step(name: str, actors: bool = True) -> float:
+        return sum(s.dur_s for s in spans if s.name == name and s.track.startswith("actor") == actors) / len(stepped)
+
+    return {"scoring_s_per_step": per_step("score"), "wait_for_rewards_s_per_step": per_step("wait-for-rewards"),
+            "generate_s_per_step": per_step("generate"), "learner_wait_s_per_step": per_step("wait-for-data", False),
+            "samples_per_s": (last["train/samples"] - first["train/samples"]) / (last["time"] - first["time"]),
+            "mean_batch": status["rows"] / max(status["batches"], 1)}
+
+
+def actor_wait(rm: Path, config: str, runs: int, steps: int, out: Path) -> dict:
+    figures: dict[int, dict[str, list[float]]] = {1: {}, 2: {}}
     for rep in range(runs):
         for count in ((1, 2) if rep % 2 == 0 else (2, 1)):
             run_dir = out / f"actors-{count}-{rep}"
@@ -145,15 +165,8 @@ def actor_wait(rm: Path, config: str, runs: int, steps: int, out: Path) -> dict:
                 capture_output=True, text=True, timeout=3600)
             if done.returncode:
                 raise SystemExit(f"run {run_dir} failed: {done.stderr[-2000:]}")
-            lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            stepped = [s for s in lines if "train/samples" in s]
-            first, last = stepped[0], stepped[-1]
-            spans = [s for s in read_trace(run_dir / "trace.json") or [] if s.track.startswith("actor")]
-            status = json.loads((run_dir / "reward_server.json").read_text())
-            f = figures[count]
-            f["wait_s_per_step"].append(sum(s.dur_s for s in spans if s.name == "wait-for-rewards") / len(stepped))
-            f["samples_per_s"].append((last["train/samples"] - first["train/samples"]) / (last["time"] - first["time"]))
-            f["mean_batch"].append(status["rows"] / max(status["batches"], 1))
+            for key, value in run_figures(run_dir).items():
+                figures[count].setdefault(key, []).append(value)
     return {"what": "actor_wait", "config": config, "steps": steps,
             **{f"actors_{n}": {k: spread(v) for k, v in f.items()} for n, f in figures.items()}}
 

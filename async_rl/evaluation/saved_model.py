@@ -48,6 +48,8 @@ def score_saved_model(cfg: Config, model: str, threads: int = 2, show: int = 0) 
     e = cfg.eval
     prompts = task.eval_prompts()[:e.size]
     # An actor's evaluation, chunk by chunk: episodes, the guarded reward, the same limits.
+    # It scores the task's own reward alone: no reward model (or reward server) is loaded.
+    cfg = cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"components": []})})
     rollout = Rollout.from_config(cfg, engine, prompt_format, task, torch.Generator().manual_seed(cfg.seed))
     started = time.perf_counter()
     try:

@@ -44,6 +44,7 @@ class Pending:
     steps: list
     failures: list[str]
     left: int
+    expires: float  # the caller stops waiting (time.monotonic())
     batch: int = 0
 
 
@@ -91,8 +92,7 @@ class RewardServer:
                     self._score(*batch)
                 self._heartbeat()
         finally:
-            self._beat = 0.0  # the last figures, as it stops
-            self._heartbeat()
+            self._heartbeat(last=True)  # the last figures, as it stops
             self.socket.close(0)
             self.context.term()
 
@@ -124,8 +124,8 @@ class RewardServer:
             self._send(identity, protocol.ScoreReply(request.id, [], [], [], json.dumps(self.versions)))
             return
         key = (identity, request.id)
-        self.pending[key] = Pending(identity, request, [0.0] * n, [None] * n, [""] * n, n)
         now = time.monotonic()
+        self.pending[key] = Pending(identity, request, [0.0] * n, [None] * n, [""] * n, n, now + request.timeout_s)
         source = self.sources[request.component]
         rows = []
         for i, (prompt, response, answer) in enumerate(zip(request.prompts, request.responses, request.answers)):
@@ -162,14 +162,18 @@ class RewardServer:
         except zmq.ZMQError:  # the caller has gone, or cannot take more: it stopped waiting
             pass
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, last: bool = False) -> None:
         now = time.monotonic()
-        if self.status is not None and now - self._beat >= HEARTBEAT_S:
-            self._beat = now
+        if not last and now - self._beat < HEARTBEAT_S:
+            return
+        self._beat = now
+        for key in [key for key, pending in self.pending.items() if pending.expires < now]:
+            del self.pending[key]  # its caller stopped waiting: its rows are dropped as they come up
+        if self.status is not None:
             write_status(self.status, {"pid": os.getpid(), "endpoint": self.endpoint, "versions": self.versions,
                                        "rows": self.stats.rows, "batches": self.stats.batches,
                                        "rejected": self.stats.rejected})
-        if now - self._logged >= LOG_EVERY_S:
+        if now - self._logged >= LOG_EVERY_S or last:
             if self._logged and self.stats.batches:
                 s = self.stats
                 log.info("%d rows in %d batches (mean %.1f, largest %d), %.1f rows/s while scoring; %d dropped "

@@ -1,7 +1,7 @@
 """The reward server in real runs (`placement: server`): killed with no restarts left,
 its samples are unscorable, never scored 0, and the run stops in one line with exit 4,
 from which `--resume` goes on; killed with restarts left, it comes back on its port and
-the run finishes."""
+the run finishes (final/ then scored by the task's reward, with no server)."""
 import json
 import os
 import signal
@@ -68,7 +68,8 @@ def test_a_killed_server_stops_the_run_in_one_line_and_resume_goes_on(demo_model
 
 def test_a_killed_server_is_restarted_on_its_port_and_the_run_finishes(demo_model, reward_model_dir, tmp_path):
     run = tmp_path / "run"
-    proc = start(run, demo_model, reward_model_dir, "train.max_steps=8", "reward.max_error_frac=1.0")
+    proc = start(run, demo_model, reward_model_dir, "train.max_steps=8", "reward.max_error_frac=1.0",
+                 "eval.final_dtypes=[float32]")
     assert wait_for(lambda: steps_done(run) >= 2 or proc.poll() is not None, timeout=120), "no steps"
     first = kill_server(run)
     _, err = finish(proc)
@@ -78,3 +79,5 @@ def test_a_killed_server_is_restarted_on_its_port_and_the_run_finishes(demo_mode
     assert status["pid"] != first and status["rows"] > 0  # the new one scored
     steps, _ = read_metrics(run)
     assert steps[-1]["step"] == 8 and steps[-1]["reward/rm/error_frac"] == 0.0
+    # final/ scored again after the server stopped: by the task's reward, which needs no server
+    assert any("final/accuracy_float32" in r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()))
