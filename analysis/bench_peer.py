@@ -113,7 +113,7 @@ def base_model(args, seed: int) -> Path:
     cfg = run_config(args, seed, "async-rl")
     if cfg.model.path != "demo":
         return Path(cfg.model.path).resolve()  # as `async-rl train` reads it: from the working directory
-    from async_rl.run.launcher import ensure_demo_model
+    from async_rl.run.demo_model import ensure_demo_model
 
     say(f"seed {seed}: the demo base model in {args.out / f'seed{seed}' / 'base_model'}")
     return ensure_demo_model(cfg, (args.out / f"seed{seed}" / "base_model").resolve())

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,11 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench_rewards import report, spread  # noqa: E402 - the analysis folder is the script's own
+
 REQUEST_ROWS = 8  # what a reward worker sends at once (rewards/worker.py BATCH)
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def read_rows(pairs: Path, n: int) -> list[tuple[str, str]]:
@@ -191,12 +188,7 @@ def main() -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-reward-server-"))
     if args.runs:
         results.append(actor_wait(args.rm.resolve(), args.config, args.runs, args.steps, out))
-    load = os.getloadavg()[0]
-    for row in results:
-        print(json.dumps({**row, "load_1min": round(load, 2)}), flush=True)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    report(results, args.out)
     return 0
 
 

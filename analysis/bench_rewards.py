@@ -222,13 +222,18 @@ def main() -> int:
     if args.slow_runs:
         results.append(slow_reward(args.slow_runs, out, ms=args.slow_ms, workers=args.slow_workers,
                                    steps=args.slow_steps, groups=args.slow_groups, config=args.slow_config))
+    report(results, args.out)
+    return 0
+
+
+def report(results: list[dict], out: Path | None) -> None:
+    """One JSON line per measurement, with the machine's load; results.jsonl in `out`."""
     load = os.getloadavg()[0]
     for row in results:
         print(json.dumps({**row, "load_1min": round(load, 2)}), flush=True)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
-    return 0
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model
     if model is None:
         from async_rl.config import load_config
-        from async_rl.run.launcher import ensure_demo_model
+        from async_rl.run.demo_model import ensure_demo_model
 
         model = ensure_demo_model(load_config(CONFIG), args.out / "base_model")
     runs = {}

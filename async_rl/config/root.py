@@ -27,7 +27,8 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=ArithmeticConfig, description="Prompt source and scoring.")
     reward: RewardConfig = Field(default_factory=RewardConfig)
-    reward_server: RewardServerConfig = Field(default_factory=RewardServerConfig, description="The reward server of `placement: server` components.")
+    reward_server: RewardServerConfig = Field(default_factory=RewardServerConfig,
+                                              description="The reward server of `placement: server` components.")
     actors: ActorsConfig = Field(default_factory=ActorsConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

@@ -127,8 +127,8 @@ class Components:
     def score_batch(self, calls: list[tuple[str, str, str, dict]], group: bool = False) -> list[ComponentScores]:
         """Every component of each (prompt, response, answer, fields): a batch source
         (`score_batch(prompts, responses, answers)`: a score or an exception per row),
-        and with `group` (the calls are one prompt's group) a group-scope one, once for all, its time shared evenly; the others call
-        by call."""
+        and with `group` (the calls are one prompt's group) a group-scope one, once for
+        all, its time shared evenly; the others call by call."""
         n = len(calls)
         values = [[0.0] * len(self.functions) for _ in range(n)]
         steps: list[list] = [[None] * len(self.functions) for _ in range(n)]

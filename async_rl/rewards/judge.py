@@ -5,15 +5,16 @@ parsed into a score.
 The judge is a service behind an OpenAI-compatible chat-completions API (`url`: vLLM's,
 SGLang's or a hosted model's server) or a causal LM directory (`model`) run greedily on
 our torch engine, in the reward's worker or, with `placement: server`, in the reward
-server, which judges a batch of questions in one generate call. The template gets `{prompt}`, `{response}` and `{answer}`; the
-reply is parsed as a `verdict` (its first word yes/no, correct/incorrect, true/false:
-1 or 0) or a `score` (its first number). A reply neither parser reads is unscorable
-(`not_a_number`), never a 0; a service that stays unreachable or failing after its
-retries is unscorable too (`raised`), a service that does not answer by the call's
-deadline fails as any slow call does. Replies are cached by (prompt, response, answer,
-template) in each worker, so a response the policy repeats is judged once. Each call's
-time is the component's latency in the metrics; every LOG_EVERY calls the actor's log
-gets a line of the judge's time and reply tokens per call and its cache hits.
+server, which judges a batch of questions in one generate call. The template gets
+`{prompt}`, `{response}` and `{answer}`; the reply is parsed as a `verdict` (its first
+word yes/no, correct/incorrect, true/false: 1 or 0) or a `score` (its first number). A
+reply neither parser reads is unscorable (`not_a_number`), never a 0; a service that
+stays unreachable or failing after its retries is unscorable too (`raised`), a service
+that does not answer by the call's deadline fails as any slow call does. Replies are
+cached by (prompt, response, answer, template) in each worker, so a response the policy
+repeats is judged once. Each call's time is the component's latency in the metrics;
+every LOG_EVERY calls the actor's log gets a line of the judge's time and reply tokens
+per call and its cache hits.
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ A reward component (`reward: reward_model`, `model: PATH`) runs it in the reward
 worker processes (one float32 copy per worker), which score a chunk of calls in batches
 of 8 on one torch thread, or a prompt's group at a time beside a group-scope component
 (rewards/worker.py); in the actor's thread (`reward.executor: thread`) it scores one
-sample at a time.
+sample at a time; with `placement: server` one copy in the reward server scores every
+actor's samples, a batch at a time (async_rl/reward_server/).
 
 A process reward model (`reward: prm`) is the same kind of model read at more places:
 the response is cut into steps at `separator`, and one forward pass over the rendered
@@ -48,7 +49,8 @@ class RewardModel:
         self.torch, self.batch_size, self.max_tokens = torch, batch_size, max_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device = torch.device(device)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+        self.model = self.model.to(self.device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {path}: a reward model has one output, this one has "
                              f"{self.model.config.num_labels} (num_labels)")

@@ -49,7 +49,8 @@ def prepare(cfg: Config, command: OfflineCommand) -> tuple[Path, RunLock]:
     """The run directory (locked, with config.yaml), the model and the data checked:
     ConfigError in one line for anything amiss."""
     from async_rl.run.checks import check_lora
-    from async_rl.run.launcher import choose_learner_ranks, ensure_demo_model
+    from async_rl.run.demo_model import ensure_demo_model
+    from async_rl.run.launcher import choose_learner_ranks
 
     section = command.section(cfg)
     if not section.data:

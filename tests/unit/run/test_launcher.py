@@ -6,7 +6,8 @@ import sys
 
 from async_rl.config import build_config
 from async_rl.models.demo import INFO_FILE
-from async_rl.run.launcher import demo_cache, ensure_demo_model, killed_or_failed, learner_command
+from async_rl.run.demo_model import demo_cache, ensure_demo_model
+from async_rl.run.launcher import killed_or_failed, learner_command
 
 
 def test_one_rank_runs_without_torchrun_and_several_under_it(tmp_path):
