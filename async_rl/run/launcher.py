@@ -3,7 +3,9 @@
 Takes the run directory's lock (lock.py), spawns the learner world (one rank as its
 own child, several under torchrun) and the actors, which start up while the learner
 does and join its hub once the coordinator publishes its endpoints, and restarts an
-actor that dies (at most actors.max_restarts times). Ctrl-C, SIGTERM and SIGHUP stop
+actor that dies (at most actors.max_restarts times). A config with a `placement: server`
+reward component also gets the reward server, started first and watched and restarted
+the same way (reward_server/process.py). Ctrl-C, SIGTERM and SIGHUP stop
 the run the same way: the learner ranks finish their step and write a checkpoint and
 final/, the actors are told goodbye, and whatever does not leave within a grace period
 is killed. Every child dies with the launcher (a parent-death signal), so a launcher
