@@ -188,11 +188,14 @@ def _raise_or(value):
     return value
 
 
-def components_from_config(components: list[dict], task_reward: Callable, timeout_s: float = 10.0) -> Components:
+def components_from_config(components: list[dict], task_reward: Callable, timeout_s: float = 10.0,
+                           load: bool = True) -> Components:
     """`reward.components` (as dicts: name, reward, weight) with `task_reward` standing for
-    `task`; `timeout_s` (reward.timeout_s) bounds a remote source's wait."""
-    return Components([(c["name"], c["weight"], build_source(c, task_reward, timeout_s)) for c in components],
-                      frozenset(c["name"] for c in components if c.get("scope") == "group"))
+    `task`; `timeout_s` (reward.timeout_s) bounds a remote source's wait. `load=False`:
+    their names, weights and scopes alone, no source built (an actor whose reward workers
+    score: no copy of a reward model in the actor itself)."""
+    return Components([(c["name"], c["weight"], build_source(c, task_reward, timeout_s) if load else None)
+                       for c in components], frozenset(c["name"] for c in components if c.get("scope") == "group"))
 
 
 def build_source(c: dict, task_reward: Callable | None, timeout_s: float, device: str = "cpu") -> Callable:

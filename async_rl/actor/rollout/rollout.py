@@ -147,7 +147,7 @@ class Rollout:
                               timeout_s=cfg.reward.timeout_s, components=parts)
             pool.start()
         if parts and environments is None:  # in the actor too: their names, weights, a whole call's failure
-            components = components_from_config(parts, task.reward, cfg.reward.timeout_s)
+            components = components_from_config(parts, task.reward, cfg.reward.timeout_s, load=pool is None)
         return cls(engine=engine, prompt_format=prompt_format, task=task, group_size=cfg.train.group_size,
                    sampling=Sampling(a.temperature, a.top_p), limits=limits,
                    eval_sampling=Sampling(e.temperature or 1.0, greedy=e.temperature == 0.0), eval_limits=eval_limits,

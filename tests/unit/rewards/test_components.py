@@ -170,3 +170,16 @@ def test_each_prompts_group_goes_to_a_group_scorer_together(demo_model, tmp_path
         np.testing.assert_allclose(g.components[:, 1], [1.0 - order.index(i) / 3 for i in range(4)], rtol=1e-6)
         np.testing.assert_allclose(g.rewards, g.components[:, 0] + 0.5 * g.components[:, 1], rtol=1e-6)
         assert (g.component_failures[:, 2] == 1).all() and len(g.unscorable) == 0
+
+
+def test_an_actor_whose_workers_score_builds_no_source_of_its_own(tmp_path):
+    from async_rl.rewards.components import components_from_config
+
+    missing = str(tmp_path / "no-such-model")  # loading it would raise
+    parts = [{"name": "rm", "reward": "reward_model", "model": missing, "weight": 1.0},
+             {"name": "pairwise", "reward": "tests.nowhere:f", "weight": 0.5, "scope": "group"}]
+    described = components_from_config(parts, task_reward=None, load=False)
+    assert described.names == ["rm", "pairwise"] and described.weights == [1.0, 0.5] and described.grouped
+    assert described.functions == [None, None]
+    with pytest.raises(OSError):
+        components_from_config(parts[:1], task_reward=None)
