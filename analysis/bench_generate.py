@@ -24,7 +24,9 @@ overrides config keys (e.g. `model.path=DIR` for the demo config, whose model is
 into a run directory). The torch variants use the config's actors.engine.attention when
 its actors run the torch engine.
 
-A third field adds LoRA adapters of that rank to a torch variant (on the config's
+A third field `compile` compiles the torch engine's transformer blocks
+(actors.engine.compile; the first call, left out, pays for compiling: its time is
+`warmup_s`). A field adds LoRA adapters of that rank to a torch variant (on the config's
 model.lora.target_modules): `torch:float32:lora8` as an actor runs it (merged into the
 weights in float32, lora/folded.py), `torch:float32:lora8-unmerged` with peft's adapter
 matmuls in every forward. Fresh adapters compute the base exactly, so every variant
@@ -70,7 +72,9 @@ def run_variant(args) -> dict:
         options.update(dtype=dtype, threads=args.threads, seed=cfg.seed)
     else:  # the config's kernel when its actors run the torch engine
         options.update(dtype=getattr(torch, dtype), attention=getattr(cfg.actors.engine, "attention", None))
-    lora = extra[0] if extra else ""
+    lora = next((e for e in extra if e.startswith("lora")), "")
+    if "compile" in extra:
+        options["compile"] = True
     if lora:
         options["lora"] = cfg.model.lora.model_copy(update={"rank": int(lora.removeprefix("lora").split("-")[0])})
     started = time.perf_counter()
@@ -82,7 +86,7 @@ def run_variant(args) -> dict:
     generator = torch.Generator().manual_seed(cfg.seed)
     make_samples = {"rollout": rollout_path, "eval": eval_path}.get(args.path)
     make_samples = make_samples(cfg, task, prompt_format, args) if make_samples else None
-    rates, sample_rates = [], []
+    rates, sample_rates, call_s = [], [], []
     for _ in range(args.calls):
         started = time.perf_counter()
         if make_samples is not None:
@@ -92,11 +96,12 @@ def run_variant(args) -> dict:
                                   temperature=args.temperature, generator=generator)
             tokens, samples = sum(len(c) for group in out for c in group), args.prompts * args.n
         elapsed = time.perf_counter() - started
+        call_s.append(elapsed)
         rates.append(tokens / elapsed)
         sample_rates.append(samples / elapsed)
     timed = rates[1:]
-    return {"engine": engine_name, "dtype": dtype + (f":{lora}" if lora else ""), "threads": args.threads,
-            "path": args.path, "init_s": round(init_s, 1),
+    return {"engine": engine_name, "dtype": ":".join([dtype, *extra]), "threads": args.threads,
+            "path": args.path, "init_s": round(init_s, 1), "warmup_s": round(call_s[0], 2),
             "calls_tokens_per_s": [round(r, 1) for r in timed], "tokens_per_s": round(statistics.median(timed), 1),
             "samples_per_s": round(statistics.median(sample_rates[1:]), 1),
             "peak_rss_gb": round(peak_rss_mb() / 1024, 2)}
@@ -170,7 +175,7 @@ def main(argv=None) -> int:
         print(f"{r['engine']}:{r['dtype']}: {r['tokens_per_s']:.0f} tokens/s "
               f"({min(r['calls_tokens_per_s']):.0f}-{max(r['calls_tokens_per_s']):.0f}), "
               f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x {base['engine']}:{base['dtype']}, "
-              f"start {r['init_s']:.0f} s, peak RSS {r['peak_rss_gb']:.2f} GiB"
+              f"start {r['init_s']:.0f} s, first call {r['warmup_s']:.1f} s, peak RSS {r['peak_rss_gb']:.2f} GiB"
               + (f", {r['samples_per_s']:.1f} samples/s" if r["path"] == "rollout" else ""))
     return 0
 

@@ -1,7 +1,7 @@
 """Learner throughput and MFU under FSDP2, and torch-engine generation throughput.
 
     python analysis/bench_learner.py [--tiny] [--ranks 1] [--steps 3] [--warmup 1]
-        [--variants padded,packed,padded+ac,packed+ac] [--precision auto|fp32|bf16] [--attention eager]
+        [--variants padded,packed,padded+ac,packed+ac,...+compile] [--precision auto|fp32|bf16] [--attention eager]
         [--peak-tflops 989] [--prompt-len 64,256] [--response-len 32,1024]
         [--groups 32] [--group-size 8] [--minibatches 1] [--micro-batch-size 16] [--micro-batch-tokens 16384]
         [--pack-row-tokens N] [--gen-prompts 64]
@@ -52,7 +52,9 @@ sample, sampling exactly --gen-tokens new tokens (no EOS in the config, so no ro
 stops early); tokens/s = generated tokens / wall time of `generate`.
 
 Output: one JSON object per line on stdout:
-  {"kind": "learner", "variant", "pack", "share_prompt", "activation_checkpointing", "precision", "attention",
+  {"kind": "learner", "variant", "pack", "share_prompt", "activation_checkpointing", "compile",
+   "warmup_s" (the untimed steps: the first includes compiling), "first_loss" (the first step's loss:
+   every variant starts from the same weights and batch), "precision", "attention",
    "device", "ranks", "params", "sequences", "tokens", "scored_tokens", "padded_tokens", "flops_per_step",
    "step_s" (median), "steps_s" (all), "tokens_per_s", "tflops" (per device), "matmul_peak_tflops",
    "mfu" (against the datasheet peak on CUDA, the measured matmul peak on CPU), "peak_rss_gb",
@@ -85,9 +87,10 @@ QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                   intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             intermediate_size=256, vocab_size=16, max_position_embeddings=64, tie_word_embeddings=True)
-# name -> (learner.pack, learner.share_prompt, learner.activation_checkpointing)
-VARIANTS = {"padded": (False, False, False), "packed": (True, False, False), "shared": (True, True, False),
-            "padded+ac": (False, False, True), "packed+ac": (True, False, True), "shared+ac": (True, True, True)}
+# name -> (learner.pack, learner.share_prompt, learner.activation_checkpointing, learner.compile)
+VARIANTS = {f"{base}{ac}{compiled}": (pack, share, bool(ac), bool(compiled))
+            for base, pack, share in (("padded", False, False), ("packed", True, False), ("shared", True, True))
+            for ac in ("", "+ac") for compiled in ("", "+compile")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -238,7 +241,7 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
     mesh = init_device_mesh(device.type, (world,))
     out = []
     for variant in args.variants:
-        pack, share, ac = VARIANTS[variant]
+        pack, share, ac, compiled = VARIANTS[variant]
         cfg = build_config({
             "train": {"batch_groups": args.groups, "group_size": args.group_size, "loss": "ppo", "advantage": "grpo",
                       "minibatches": args.minibatches},
@@ -246,23 +249,23 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
                         "micro_batch_tokens": args.micro_batch_tokens, "precision": args.precision,
                         "attention": args.attention,
                         "pack_row_tokens": args.pack_row_tokens,
-                        "activation_checkpointing": ac}})
+                        "activation_checkpointing": ac, "compile": compiled}})
         model = make_model(args, mcfg).to(device)
         n_params = sum(p.numel() for p in model.parameters())
-        policy = shard_model(model, mesh, precision=args.precision, activation_checkpointing=ac)
+        policy = shard_model(model, mesh, precision=args.precision, activation_checkpointing=ac, compile=compiled)
         models = Models(policy, adamw(policy.parameters(), lr=1e-6, weight_decay=0.0))
-        times = []
+        times, warmup_s, first_loss = [], [], None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         for i in range(args.warmup + args.steps):
             dist.barrier()
             sync(device)
             start = time.perf_counter()
-            train_step(cfg, models, local)
+            stats = train_step(cfg, models, local)
             sync(device)
             dist.barrier()  # the step ends when the slowest rank is done
-            if i >= args.warmup:
-                times.append(time.perf_counter() - start)
+            first_loss = stats["loss/total"] if first_loss is None else first_loss
+            (times if i >= args.warmup else warmup_s).append(time.perf_counter() - start)
         computed = trees if share else lengths
         scored = int(batch.loss_mask.sum())
         flops = step_flops(mcfg, n_params, computed, scored, no_grad_forwards=int(args.minibatches > 1))
@@ -273,7 +276,8 @@ def bench_learner(args, rank: int, world: int, device: torch.device) -> list[dic
                                                 scored // world // micros),
                                   torch.bfloat16 if args.precision == "bf16" else torch.float32, device)
         out.append({"kind": "learner", "variant": variant, "pack": pack, "share_prompt": share,
-                    "activation_checkpointing": ac,
+                    "activation_checkpointing": ac, "compile": compiled, "warmup_s": warmup_s,
+                    "first_loss": first_loss,
                     "precision": args.precision, "attention": model.config._attn_implementation,
                     "device": device.type, "ranks": world, "params": n_params,
                     "sequences": int(batch.tokens.shape[0]), "tokens": int(computed.sum()), "scored_tokens": scored,

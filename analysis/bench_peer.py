@@ -123,9 +123,62 @@ def say(message: str) -> None:
     print(f"[bench_peer] {message}", file=sys.stderr, flush=True)
 
 
-def first_hit(evals: list[dict], target: float) -> dict | None:
-    """The first evaluation after training started (step >= 1) that reaches the target."""
-    return next((e for e in evals if e["step"] >= 1 and e["eval/accuracy"] >= target), None)
+# How a policy is scored: as its own system samples (TRL: its weights under its bf16
+# autocast; async-rl: its actors' engine), or in float32 by the same torch engine.
+PROTOCOLS = {"own": "eval/accuracy", "float32": "eval/accuracy@float32"}
+# Each system's clock at an evaluation, with and without the time evaluation cost it.
+# async-rl's evaluator scores saved versions beside the learner, so its learner's clock
+# at a version (`version_time`) is the only one: nothing is left to subtract, and it
+# counts the evaluator's share of the CPU.
+CLOCKS = {"trl": {"with_eval": "time_with_eval", "without_eval": "time"},
+          "async-rl": {"with_eval": "version_time", "without_eval": "version_time"}}
+
+
+def first_hit(evals: list[dict], target: float, key: str = "eval/accuracy") -> dict | None:
+    """The first evaluation after training started (step >= 1) whose `key` reaches the target."""
+    return next((e for e in evals if e["step"] >= 1 and e.get(key) is not None and e[key] >= target), None)
+
+
+def all_hit(evals: list[dict], target: float) -> bool:
+    """Every protocol the lines score has reached the target (a run may stop)."""
+    keys = [key for key in PROTOCOLS.values() if evals and key in evals[0]]
+    return bool(keys) and all(first_hit(evals, target, key) for key in keys)
+
+
+def clock(system: str, line: dict, which: str) -> float:
+    return line.get(CLOCKS[system][which], line["time"])
+
+
+def protocol_figures(system: str, evals: list[dict], target: float) -> dict:
+    """Per protocol: the step and both clocks of the first evaluation reaching the target
+    (None when it was not reached), and the curve (step, clock with evaluation, accuracy)."""
+    out = {}
+    for name, key in PROTOCOLS.items():
+        if not evals or key not in evals[0]:
+            continue
+        hit = first_hit(evals, target, key)
+        out[name] = {"step": hit["step"] if hit else None,
+                     **{f"{which}_s": round(clock(system, hit, which), 2) if hit else None
+                        for which in ("with_eval", "without_eval")},
+                     "curve": [(e["step"], round(clock(system, e, "with_eval"), 1), e[key]) for e in evals]}
+    return out
+
+
+def speedups(trl: dict, ours: dict) -> dict:
+    """TRL's time over async-rl's, per protocol and clock; and at each evaluated step both
+    reach (clocks with evaluation)."""
+    out = {}
+    for name in PROTOCOLS:
+        a, b = trl.get("protocols", {}).get(name), ours.get("protocols", {}).get(name)
+        if not a or not b:
+            continue
+        out[name] = {which: round(a[f"{which}_s"] / b[f"{which}_s"], 3) if a[f"{which}_s"] and b[f"{which}_s"]
+                     else None for which in ("with_eval", "without_eval")}
+    theirs = {step: t for step, t, _ in trl.get("protocols", {}).get("own", {}).get("curve", []) if step}
+    mine = {step: t for step, t, _ in ours.get("protocols", {}).get("own", {}).get("curve", []) if step}
+    out["same_step"] = {step: round(theirs[step] / mine[step], 3) for step in sorted(theirs.keys() & mine.keys())
+                        if mine[step] > 0}
+    return out
 
 
 def run_measured(name: str, cmd: list[str], run_dir: Path, log_path: Path, target: float,
@@ -144,7 +197,7 @@ def run_measured(name: str, cmd: list[str], run_dir: Path, log_path: Path, targe
                 for e in evals[seen:]:
                     say(f"  {name} step {e['step']}: eval accuracy {e['eval/accuracy']:.3f} at {e['time']:.1f} s")
                 seen = len(evals)
-                if stop_at_target and not stopped and first_hit(evals, target):
+                if stop_at_target and not stopped and all_hit(evals, target):
                     proc.send_signal(signal.SIGTERM)  # the launcher checkpoints and stops its processes
                     stopped = True
         except KeyboardInterrupt:
@@ -156,16 +209,18 @@ def run_measured(name: str, cmd: list[str], run_dir: Path, log_path: Path, targe
     return proc.returncode, cpu
 
 
-def figures(evals: list[dict], last_step: int, last_time: float, first_step_s: float | None, cpu_s: float,
-            samples_per_step: int, target: float) -> dict:
-    """The per-system JSON fields from its evaluation lines ({"step", "time", "eval/accuracy"})."""
+def figures(system: str, evals: list[dict], last_step: int, last_time: float, first_step_s: float | None,
+            cpu_s: float, samples_per_step: int, target: float) -> dict:
+    """The per-system JSON fields from its evaluation lines (own protocol, evaluation
+    counted: CLOCKS["with_eval"])."""
     hit = first_hit(evals, target)
-    steps, seconds = (hit["step"], hit["time"]) if hit else (last_step, last_time)
+    seconds = clock(system, hit, "with_eval") if hit else None
+    steps, seconds_run = (hit["step"], seconds) if hit else (last_step, last_time)
     samples = steps * samples_per_step
     return {"reached": hit is not None,
-            "time_to_target_s": round(hit["time"], 2) if hit else None,
+            "time_to_target_s": round(seconds, 2) if hit else None,
             "steps_to_target": hit["step"] if hit else None,
-            "samples_per_s": round(samples / seconds, 1) if seconds > 0 else None,
+            "samples_per_s": round(samples / seconds_run, 1) if seconds_run > 0 else None,
             "cpu_s_per_sample": round(cpu_s / samples, 5) if samples else None,
             "cpu_s": round(cpu_s, 1), "steps_run": last_step,
             "first_step_s": round(first_step_s, 2) if first_step_s is not None else None,
@@ -179,16 +234,17 @@ def run_async_rl(args, seed: int, model: Path) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)  # the launcher refuses a directory that holds a run
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "async_rl.cli", "train", str(args.config), f"run_dir={run_dir}", f"model.path={model}",
-           f"seed={seed}", *args.set, *args.async_rl_set, f"train.max_steps={args.max_steps}",
+           f"seed={seed}", "eval.placement=evaluator", "eval.also_dtypes=[float32]", *args.set, *args.async_rl_set,
+           f"train.max_steps={args.max_steps}",
            f"eval.every={args.eval_every}"]
     code, cpu_s = run_measured("async-rl", cmd, run_dir, run_dir.parent / "async-rl.log", args.target, True)
     steps, evals = RunDir(run_dir).steps_and_evals()
     if code not in (0, 143) or not steps:
         raise SystemExit(f"async-rl failed (exit {code}); see {run_dir.parent / 'async-rl.log'}")
     samples_per_step = cfg.train.batch_groups * cfg.train.group_size
-    return {**figures(evals, steps[-1]["step"], steps[-1]["time"], steps[0]["time"], cpu_s, samples_per_step,
-                      args.target),
-            "exit": code, "run_dir": str(run_dir)}
+    return {**figures("async-rl", evals, steps[-1]["step"], steps[-1]["time"], steps[0]["time"], cpu_s,
+                      samples_per_step, args.target),
+            "protocols": protocol_figures("async-rl", evals, args.target), "exit": code, "run_dir": str(run_dir)}
 
 
 def run_trl(args, seed: int, model: Path) -> dict:
@@ -204,8 +260,9 @@ def run_trl(args, seed: int, model: Path) -> dict:
         raise SystemExit(f"TRL failed (exit {code}); see {run_dir.parent / 'trl.log'}")
     worker = json.loads((run_dir / "result.json").read_text())
     evals = RunDir(run_dir).evals()
-    return {**figures(evals, worker["last_step"], worker["last_time"], worker["first_step_s"], cpu_s,
-                      worker["samples_per_step"], args.target),
+    return {**figures("trl", evals, worker["last_step"], worker["last_time_with_eval"], worker["first_step_s"],
+                      cpu_s, worker["samples_per_step"], args.target),
+            "protocols": protocol_figures("trl", evals, args.target),
             "eval_s_subtracted": round(worker["eval_s"], 2), "trl_version": worker["trl_version"],
             "run_dir": str(run_dir)}
 
@@ -238,7 +295,8 @@ def run_pairs(args) -> list[dict]:
         line = {"seed": seed, "target": args.target, "max_steps": args.max_steps, "eval_every": args.eval_every,
                 "config": str(args.config), "set": args.set, "async_rl_set": args.async_rl_set,
                 "trl_set": args.trl_set, "trl": result.get("trl"), "async_rl": result.get("async-rl"),
-                "ratio_trl_over_async_rl": round(times[0] / times[1], 3) if all(times) else None}
+                "ratio_trl_over_async_rl": round(times[0] / times[1], 3) if all(times) else None,
+                "ratios": speedups(result.get("trl") or {}, result.get("async-rl") or {})}
         emit(args, line)
         pairs.append(line)
     return pairs
@@ -275,9 +333,12 @@ def main(argv: list[str] | None = None) -> int:
         seconds = {s: [p[s]["time_to_target_s"] for p in pairs if p[s] and p[s]["reached"]]
                    for s in ("trl", "async_rl")}
         ratios = [p["ratio_trl_over_async_rl"] for p in pairs if p["ratio_trl_over_async_rl"] is not None]
+        by_protocol = {name: {which: spread([p["ratios"][name][which] for p in pairs
+                                            if p["ratios"].get(name, {}).get(which) is not None])
+                              for which in ("with_eval", "without_eval")} for name in PROTOCOLS}
         emit(args, {"summary": True, "seeds": args.seeds, "target": args.target, "pairs_with_ratio": len(ratios),
                     "ratio_trl_over_async_rl": spread(ratios), "trl_time_to_target_s": spread(seconds["trl"]),
-                    "async_rl_time_to_target_s": spread(seconds["async_rl"])})
+                    "async_rl_time_to_target_s": spread(seconds["async_rl"]), "ratios": by_protocol})
     return 0
 
 

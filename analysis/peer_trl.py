@@ -14,8 +14,12 @@ the generation prompt). Before training, the worker checks that TRL's prompt tok
 the ones an async-rl actor feeds the model (`PromptFormat.encode`), so both systems
 train on the same inputs. Rewards are the task's own, on the completion text TRL decodes
 without special tokens (as `PromptFormat.response_text`); the held-out evaluation is
-async-rl's own code (`evaluation.score_prompts` through a TorchEngine on a copy of the
-model) at step 0 and every --eval-every steps, and its time is kept off TRL's clock.
+async-rl's own code (`Rollout.scores` through a TorchEngine on a copy of the model) at
+step 0 and every --eval-every steps, twice: as TRL samples (bf16 autocast when the
+config's learner.precision is bf16, the model's attention kernel: `eval/accuracy`) and
+in float32 with the actors' attention kernel (`eval/accuracy@float32`, as async-rl's
+evaluator scores with eval.also_dtypes=[float32]). Each line carries both clocks: `time`
+without the evaluations, `time_with_eval` with them.
 """
 from __future__ import annotations
 
@@ -121,12 +125,22 @@ def run(args) -> int:
     stops = stop_token_ids(args.model, prompt_format.tokenizer)
     e = cfg.eval
 
-    def held_out_accuracy(model) -> float:
-        """An actor's evaluation round, on a copy of the model (TorchEngine freezes what it gets)."""
-        engine = TorchEngine(copy.deepcopy(model), device=model.device, eos_token_id=stops)
+    autocast = cfg.learner.precision == "bf16"  # TRL's bf16=True: accelerate's autocast around the model
+
+    def held_out_accuracy(model, own: bool) -> float:
+        """An actor's evaluation round on a copy of the model (TorchEngine freezes what it
+        gets). `own`: as TRL samples (its weights, its attention kernel, under its bf16
+        autocast); else as async-rl's evaluator scores eval.also_dtypes=[float32] (float32,
+        the actors' attention kernel)."""
+        clean = copy.deepcopy(model)
+        clean.__dict__.pop("forward", None)  # accelerate's autocast wrapper would call the original
+        if not own and cfg.actors.engine.attention:
+            clean.set_attn_implementation(cfg.actors.engine.attention)
+        engine = TorchEngine(clean, device=model.device, eos_token_id=stops)
         rollout = Rollout.from_config(cfg, engine, prompt_format, task, torch.Generator().manual_seed(cfg.seed))
-        parts = [rollout.scores([p.id for p in eval_prompts[i:i + e.batch_size]])
-                 for i in range(0, len(eval_prompts), e.batch_size)]
+        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=own and autocast):
+            parts = [rollout.scores([p.id for p in eval_prompts[i:i + e.batch_size]])
+                     for i in range(0, len(eval_prompts), e.batch_size)]
         return summarize(*(np.concatenate([getattr(p, k) for p in parts])
                            for k in ("rewards", "lengths", "truncated")))["eval/accuracy"]
 
@@ -144,13 +158,16 @@ def run(args) -> int:
             return time.perf_counter() - self.started - self.eval_s
 
         def evaluate(self, model, step: int, train_s: float) -> float:
+            """Both scores; returns the lower (training stops when both reach the target)."""
             t0 = time.perf_counter()
-            accuracy = held_out_accuracy(model)
+            with_eval = round(t0 - self.started, 3) if self.started is not None else 0.0
+            own, in_float32 = held_out_accuracy(model, own=True), held_out_accuracy(model, own=False)
             seconds = time.perf_counter() - t0
             self.eval_s += seconds
-            metrics.write(json.dumps({"step": step, "time": round(train_s, 3), "eval/accuracy": accuracy,
+            metrics.write(json.dumps({"step": step, "time": round(train_s, 3), "time_with_eval": with_eval,
+                                      "eval/accuracy": own, "eval/accuracy@float32": in_float32,
                                       "eval/seconds": round(seconds, 3)}) + "\n")
-            return accuracy
+            return min(own, in_float32)
 
         def on_train_begin(self, args_, state, control, model=None, **kwargs):
             self.evaluate(model, 0, 0.0)
@@ -182,6 +199,7 @@ def run(args) -> int:
     metrics.close()
     (run_dir / "result.json").write_text(json.dumps({
         "last_step": clock.last_step, "last_time": clock.last_time, "first_step_s": clock.first_step_s,
+        "last_time_with_eval": round(time.perf_counter() - clock.started, 3) if clock.started else 0.0,
         "eval_s": clock.eval_s,
         "samples_per_step": cfg.train.batch_groups * cfg.train.group_size, "trl_version": trl.__version__}))
     return 0

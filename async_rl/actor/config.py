@@ -13,6 +13,7 @@ class TorchEngineConfig(Section):
     name: Literal["torch"] = "torch"
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and compute of the torch engine (16-bit ones: weights also travel in it).")
     attention: Literal["sdpa", "eager"] | None = Field(None, description="The engine's attention kernel (null = the model's default); in bfloat16 on a CPU `eager` is faster for short rows.")
+    compile: bool = Field(False, description="torch.compile each transformer block (prefill and decode, dynamic shapes); off by default: docs/performance.md has where it wins.")
 
 
 class VLLMEngineConfig(Section):

@@ -123,7 +123,8 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         if engine_cfg.name == "vllm":
             options = dict(seed=cfg.seed, threads=cfg.actors.threads, **engine_cfg.model_dump(exclude={"name"}))
         else:
-            options = dict(dtype=getattr(torch, engine_cfg.dtype), attention=engine_cfg.attention)
+            options = dict(dtype=getattr(torch, engine_cfg.dtype), attention=engine_cfg.attention,
+                           compile=engine_cfg.compile)
         options["lora"] = cfg.model.lora if cfg.model.lora.rank else None
         try:
             engine = make_engine(engine_cfg.name, model_or_path=cfg.model.path, device=device, **stops, **options)

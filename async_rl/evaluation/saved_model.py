@@ -24,48 +24,76 @@ class Scored:
     shown: list[str]  # the first prompts as the model saw them, each with its first response
 
 
-def score_saved_model(cfg: Config, model: str, threads: int = 2, show: int = 0) -> Scored:
-    """`model` (an HF directory) on `cfg`'s held-out prompts, as its actors evaluate."""
+def evaluation_rollout(cfg: Config, model: str, dtype: str, lora=None, seed_offset: int = 0):
+    """(the rollout that scores held-out prompts as an actor does, its prompt format) for
+    `model` (an HF directory; with `lora`, the config's model.lora, its adapters on top)
+    on the torch engine in `dtype`: the config's task, chat template, stop tokens and
+    reward, the task's own reward alone (no reward model or reward server is loaded)."""
     from async_rl.actor.engines import make_engine
-    from async_rl.actor.rollout.rollout import Rollout, Scores
-    from async_rl.coordinator.eval_rounds import summarize
-    from async_rl.models.loading import quiet_libraries
+    from async_rl.actor.rollout.rollout import Rollout
     from async_rl.tasks import task_from_config
     from async_rl.tasks.prompt_format import prompt_format_for, stop_token_ids
-    from async_rl.wire.messages import FAILURE_REASONS
 
-    quiet_libraries()
-    torch.set_num_threads(threads)
     prompt_format = prompt_format_for(cfg.model.path, cfg.task)
     stops = dict(eos_token_id=stop_token_ids(model, prompt_format.tokenizer))
     if cfg.actors.stop:
         stops.update(stop_strings=cfg.actors.stop, tokenizer=prompt_format.tokenizer)
     engine_cfg = cfg.actors.engine
-    dtype = engine_cfg.dtype if engine_cfg.name == "torch" else "float32"
-    options = dict(dtype=getattr(torch, dtype), attention=engine_cfg.attention) if engine_cfg.name == "torch" else {}
-    engine = make_engine("torch", model_or_path=model, device=torch.device("cpu"), **stops, **options)
-    task = task_from_config(cfg.task, cfg.seed)
-    e = cfg.eval
-    prompts = task.eval_prompts()[:e.size]
-    # An actor's evaluation, chunk by chunk: episodes, the guarded reward, the same limits.
-    # It scores the task's own reward alone: no reward model (or reward server) is loaded.
+    options = dict(attention=engine_cfg.attention, compile=engine_cfg.compile) if engine_cfg.name == "torch" else {}
+    engine = make_engine("torch", model_or_path=model, device=torch.device("cpu"), dtype=getattr(torch, dtype),
+                         lora=lora, **stops, **options)
     cfg = cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"components": []})})
-    rollout = Rollout.from_config(cfg, engine, prompt_format, task, torch.Generator().manual_seed(cfg.seed))
+    rollout = Rollout.from_config(cfg, engine, prompt_format, task_from_config(cfg.task, cfg.seed),
+                                  torch.Generator().manual_seed(cfg.seed + seed_offset))
+    return rollout, prompt_format
+
+
+def score_prompts(rollout, prompt_ids: list[int], batch_size: int):
+    """(the held-out prompts' scored episodes, groups[i] prompt i's samples, their Scores),
+    `batch_size` prompts per generate call, as an actor scores its chunks."""
+    from async_rl.actor.rollout.rollout import Scores
+
+    groups = [g for i in range(0, len(prompt_ids), batch_size)
+              for g in rollout.evaluation(prompt_ids[i:i + batch_size])]
+    return groups, Scores.of(groups)
+
+
+def eval_line(scores, prefix: str = "") -> dict:
+    """A round's metrics (coordinator/eval_rounds.py: summarize), and its failed reward or
+    environment calls per reason, keys `prefix` + reward/errors_<reason> (none if none failed)."""
+    from async_rl.coordinator.eval_rounds import summarize
+    from async_rl.wire.messages import FAILURE_REASONS
+
+    line = summarize(scores.rewards, scores.lengths, scores.truncated)
+    for field, kind in (("reward_errors", "reward"), ("env_errors", "env")):
+        if sum(scores.failures[field]):
+            line.update({f"{prefix}{kind}/errors_{reason}": n
+                         for reason, n in zip(FAILURE_REASONS, scores.failures[field])})
+    if scores.failures["first_failure"]:
+        line[f"{prefix}first_failure"] = scores.failures["first_failure"]
+    return line
+
+
+def score_saved_model(cfg: Config, model: str, threads: int = 2, show: int = 0) -> Scored:
+    """`model` (an HF directory) on `cfg`'s held-out prompts, as its actors evaluate."""
+    from async_rl.models.loading import quiet_libraries
+    from async_rl.tasks import task_from_config
+
+    quiet_libraries()
+    torch.set_num_threads(threads)
+    engine_cfg = cfg.actors.engine
+    dtype = engine_cfg.dtype if engine_cfg.name == "torch" else "float32"
+    e = cfg.eval
+    rollout, prompt_format = evaluation_rollout(cfg, model, dtype)
+    prompts = task_from_config(cfg.task, cfg.seed).eval_prompts()[:e.size]
     started = time.perf_counter()
     try:
-        groups = [g for i in range(0, len(prompts), e.batch_size)
-                  for g in rollout.evaluation([p.id for p in prompts[i:i + e.batch_size]])]
+        groups, scores = score_prompts(rollout, [p.id for p in prompts], e.batch_size)
     finally:
         rollout.close()
     seconds = time.perf_counter() - started
-    scores = Scores.of(groups)
     line = {"model": str(model), "dtype": dtype, "max_new_tokens": e.max_new_tokens or cfg.actors.max_new_tokens,
-            **summarize(scores.rewards, scores.lengths, scores.truncated), "seconds": round(seconds, 1)}
-    for field, prefix in (("reward_errors", "reward"), ("env_errors", "env")):
-        if sum(scores.failures[field]):
-            line.update({f"{prefix}/errors_{reason}": n for reason, n in zip(FAILURE_REASONS, scores.failures[field])})
-    if scores.failures["first_failure"]:
-        line["first_failure"] = scores.failures["first_failure"]
+            **eval_line(scores), "seconds": round(seconds, 1)}
     shown = [f"--- held-out prompt {i} (answer {prompt.answer}, reward {scores.rewards[i, 0]:g})\n"
              f"{prompt_format.render(prompt)}{prompt_format.response_text(groups[i][0].tokens)}"
              for i, prompt in enumerate(prompts[:show])]

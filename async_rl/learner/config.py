@@ -34,6 +34,7 @@ class LearnerConfig(Section):
     attention: Literal["sdpa", "eager"] | None = Field(None, description="The policy's attention kernel (null = the model's default).")
     dither_masters: bool = Field(True, description="Master weights loaded exactly on the 16-bit grid the policy runs in are spread inside their rounding intervals, so its 16-bit copies follow small updates.")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder layer's activations in backward.")
+    compile: bool = Field(False, description="torch.compile each transformer block (dynamic shapes); off by default: docs/performance.md has where it wins.")
     timeout_s: float = Field(600.0, gt=0.0, description="Timeout of learner collectives and of waiting for experience.")
 
 

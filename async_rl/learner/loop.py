@@ -2,13 +2,16 @@
 rank 0's services (services.py; `Followers` elsewhere) run together.
 
     resumed?  send the actors the restored weights
-    request the first evaluation
+    evaluate the first version
     until train.max_steps or a stop rule:
         wait for the next batch (rank 0 takes it in admission order; every rank waits with it)
         scatter whole groups to the ranks; one learner step; version += 1
         every sync.every steps: gather the weights and publish them to the actors
         log the step; stop rules; evaluation and checkpoint when due
-    the final evaluation (the actors score it), a checkpoint, final/
+    the final evaluation, a checkpoint, final/
+
+An evaluation is the version's weights saved for the evaluator (evaluator/; the run
+goes on at once) or a round the actors score (eval.placement).
 
 The version counts learner steps, whatever train.minibatches optimizer steps each
 takes. Whenever rank 0 waits (for data, for the final evaluation) the other ranks wait
@@ -58,7 +61,7 @@ class Loop:
         cfg, trainer, services = self.cfg, self.trainer, self.services
         if trainer.version > 0:
             self.sync_weights()  # resumed: actors start from the base model, give them ours
-        services.request_eval(trainer.version)
+        self.evaluate()
         stop = None
         while trainer.version < cfg.train.max_steps:
             local, data = self.next_batch()
@@ -78,7 +81,7 @@ class Loop:
             if stop is not None:
                 break
             if self.due(cfg.eval.every):
-                services.request_eval(trainer.version)
+                self.evaluate()
             if self.due(cfg.checkpoint.every):
                 self.checkpoint()
         if stop is None:  # a run stopped by a rule is not worth evaluating: its end must not wait on broken code
@@ -214,21 +217,29 @@ class Loop:
         return Stop(EXIT_REWARD_ERRORS, reason)
 
     # -- evaluation and checkpoints -----------------------------------------------
+    def evaluate(self) -> None:
+        """An evaluation round of the current version: its weights saved for the evaluator
+        (a gather, on every rank), or a round for the actors."""
+        if self.cfg.eval.placement == "evaluator":
+            with self.spans.span("save-version", step=self.trainer.version):
+                self.trainer.gather(self.services.save_version(self.trainer.version))
+        else:
+            self.services.request_eval(self.trainer.version)
+
     def final_eval(self) -> None:
-        """Evaluate the final weights on the actors and wait for every open round, for as
-        long as results keep coming (learner.timeout_s without one ends the wait)."""
-        if self.trainer.version % self.cfg.sync.every:
+        """Evaluate the final weights and wait for every open round, for as long as
+        results keep coming (learner.timeout_s without one ends the wait)."""
+        if self.cfg.eval.placement == "actors" and self.trainer.version % self.cfg.sync.every:
             self.sync_weights()  # the actors must hold the final weights to evaluate them
-        self.services.request_eval(self.trainer.version)
+        self.evaluate()
         started, timeout = time.monotonic(), self.cfg.learner.timeout_s
 
         def poll() -> bool | None:
-            coordinator = self.services.coordinator
             if self.services.log_evals() == 0:
                 return True
-            if self.stop_event.is_set() or coordinator.idle_s(since=started) > timeout:
+            if self.stop_event.is_set() or self.services.eval_idle_s(since=started) > timeout:
                 log.warning("the final evaluation was given up (no result for %.0fs, or interrupted; live actors: "
-                            "%d); final/ is written without it", timeout, coordinator.live_actors)
+                            "%d); final/ is written without it", timeout, self.services.coordinator.live_actors)
                 return False
             time.sleep(EVAL_POLL_S)
             return None

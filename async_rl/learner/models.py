@@ -77,7 +77,8 @@ def build_models(cfg: Config, device: torch.device, mesh) -> Models:
         from async_rl.lora.adapters import with_adapters
 
         policy = with_adapters(policy, cfg.model.lora)
-    policy = shard_model(policy, mesh, precision=lc.precision, activation_checkpointing=lc.activation_checkpointing)
+    policy = shard_model(policy, mesh, precision=lc.precision, activation_checkpointing=lc.activation_checkpointing,
+                         compile=lc.compile)
     reference, critic = None, None
     if cfg.train.kl.coef > 0 and not lora:  # no backward through the reference: nothing to checkpoint
         reference = shard_model(load_policy(cfg, device).requires_grad_(False).eval(), mesh, precision=lc.precision)

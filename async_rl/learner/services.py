@@ -17,6 +17,10 @@ from async_rl.config import Config, to_yaml
 from async_rl.coordinator.coordinator import Coordinator
 from async_rl.coordinator.replay_buffer import Taken
 from async_rl.device import collective_backend
+from async_rl.evaluator.process import LOG_FILE as EVALUATOR_LOG
+from async_rl.evaluator.process import EvaluatorProcess
+from async_rl.evaluator.versions import FOLDER as EVALUATOR_FOLDER
+from async_rl.evaluator.versions import VersionStore
 from async_rl.learner.checkpoint import BUFFER_FILE, read_groups, save_hf_model, write_groups
 from async_rl.learner.health import RunHealth
 from async_rl.learner.precision import actors_dtype
@@ -82,6 +86,18 @@ class Rank0Services:
         self.metrics = MetricsLogger(self.run_dir, cfg.train.max_steps, resume_step=trainer.version,
                                      elapsed=resumed["learner"]["elapsed"] if resumed else 0.0)
         self._last_step_end = time.monotonic()
+        self.version_times = {trainer.version: self.metrics.elapsed()}  # the learner's clock when each was made
+        self.versions = self.evaluator = None
+        self._last_eval_line = time.monotonic()
+        if cfg.eval.placement == "evaluator" and self.coordinator.evals.chunks:
+            folder = self.run_dir / EVALUATOR_FOLDER
+            # eval.also_dtypes scores the master weights in other dtypes: save those, not the actors' copy
+            dtype = torch.float32 if cfg.eval.also_dtypes else actors_dtype(cfg)
+            self.versions = VersionStore(folder, to_yaml(cfg), dtype,
+                                         resumed_at=trainer.version if resumed is not None else None)
+            self.evaluator = EvaluatorProcess(folder, self.run_dir / "logs" / EVALUATOR_LOG,
+                                              cfg.eval.threads or cfg.actors.threads)
+            self.evaluator.start()  # its model loads while the first steps train
 
     # -- a step's data ------------------------------------------------------------
     def take(self, version: int, timeout: float, stop) -> Taken | None:
@@ -96,6 +112,7 @@ class Rank0Services:
         return self.prompt_format.tokenizer.pad_token_id or 0
 
     def advance(self, version: int) -> None:
+        self.version_times[version] = self.metrics.elapsed()
         self.coordinator.advance(version)
 
     def publish(self, version: int):
@@ -127,10 +144,30 @@ class Rank0Services:
     def request_eval(self, version: int) -> None:
         self.coordinator.request_eval(version)
 
+    def save_version(self, version: int):
+        """What the gather of `version`'s weights streams into for the evaluator (a
+        thread writes them while training goes on)."""
+        if self.versions is None:
+            return drain
+        return self.versions.saver(version, self.version_times.get(version, self.metrics.elapsed()))
+
     def log_evals(self) -> int:
-        """Log the evaluation rounds the actors finished; returns how many are still open."""
+        """Log the evaluation rounds finished (by the evaluator or the actors), each at its
+        version's step and stamped with the version's time; returns how many are still open."""
         lines, pending = self.coordinator.eval_results()
-        for line in lines:
+        if self.evaluator is not None:
+            if (note := self.evaluator.watch()) is not None:
+                log.warning("%s", note)
+            if self.versions.error is not None:
+                log.error("a version could not be saved for the evaluator (%s): its evaluation is skipped",
+                          self.versions.error)
+                self.versions.error = None
+            lines += self.versions.results()
+            pending += 0 if self.evaluator.given_up else len(self.versions.pending)
+        if lines:
+            self._last_eval_line = time.monotonic()
+        for line in sorted(lines, key=lambda line: line["step"]):
+            line.setdefault("version_time", self.version_times.get(line["version"]))
             self.metrics.log(line)
             if self.last_eval is None or line["step"] >= self.last_eval["step"]:
                 self.last_eval = line
@@ -178,8 +215,18 @@ class Rank0Services:
 
         return write
 
+    def eval_idle_s(self, since: float) -> float:
+        """Seconds without an evaluation line (nor, with the actors evaluating, any of
+        their messages), counted from `since` at the earliest."""
+        if self.evaluator is not None:
+            return time.monotonic() - max(since, self._last_eval_line)
+        return self.coordinator.idle_s(since=since)
+
     def close(self) -> None:
         self.log_evals()
+        if self.evaluator is not None:
+            self.evaluator.stop()
+            self.versions.flush()
         self.coordinator.stop()
         # Actors already said goodbye: a broadcast still waiting for them (the last
         # step's weights) would only run into its timeout, so do not wait for it.
@@ -212,6 +259,9 @@ class Followers:
 
     def request_eval(self, version: int) -> None:
         pass
+
+    def save_version(self, version: int):
+        return drain
 
     def checkpoint_state(self, trainer: Trainer):
         return None, None

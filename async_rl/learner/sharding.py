@@ -13,7 +13,7 @@ log = logging.getLogger("async_rl.learner")
 
 
 def shard_model(model: torch.nn.Module, mesh, *, precision: str = "fp32",
-                activation_checkpointing: bool = False) -> torch.nn.Module:
+                activation_checkpointing: bool = False, compile: bool = False) -> torch.nn.Module:
     """FSDP2: one unit per decoder layer (HF names them in `_no_split_modules`), plus the root.
 
     precision="bf16": FSDP2's MixedPrecisionPolicy all-gathers bf16 copies of the fp32
@@ -25,6 +25,8 @@ def shard_model(model: torch.nn.Module, mesh, *, precision: str = "fp32",
     checkpointed region (recompute runs inside the layer's pre-backward unshard), and it
     renames nothing: torch's `checkpoint_wrapper` would insert `_checkpoint_wrapped_module`
     into every parameter name that weight sync, evaluation copies and checkpoints key on.
+    compile: each decoder layer compiled in place before it is sharded (models/compiled.py),
+    so FSDP2's hooks gather around the compiled region.
     """
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
         else MixedPrecisionPolicy()
@@ -34,6 +36,10 @@ def shard_model(model: torch.nn.Module, mesh, *, precision: str = "fp32",
         # The policy itself, or the critic's trunk: the outermost HF model inside `model`.
         hf = next(m for m in model.modules() if isinstance(m, PreTrainedModel))
         hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if compile:
+        from async_rl.models.compiled import compile_blocks
+
+        compile_blocks(model)
     # One rank: resharding after the forward frees nothing the backward will not gather
     # (and cast) again. A model that never runs a backward (the KL reference) then keeps
     # its gathered copy between forwards: the memory of one more copy, no gather per step.

@@ -64,7 +64,7 @@ def sharded_with_optimizer(model: torch.nn.Module, cfg: Config, device: torch.de
 
     lc = cfg.learner
     sharded = shard_model(model, init_device_mesh(device.type, (world,)), precision=lc.precision,
-                          activation_checkpointing=lc.activation_checkpointing)
+                          activation_checkpointing=lc.activation_checkpointing, compile=lc.compile)
     return sharded, adamw([p for p in sharded.parameters() if p.requires_grad], lr=lr,
                           weight_decay=cfg.train.weight_decay, eps=cfg.train.adam_eps)
 

@@ -398,8 +398,13 @@ def test_bench_peer_async_rl(tmp_path, demo_model):
     r = line["async_rl"]
     check_peer_figures(r, steps=2)  # step 0's evaluation never counts as reaching the target
     _, evals = read_metrics(Path(r["run_dir"]))
-    assert r["time_to_target_s"] == pytest.approx(next(e["time"] for e in evals if e["step"] >= 1), abs=0.01)
+    hit = next(e for e in evals if e["step"] >= 1)  # scored by the evaluator: the version's time counts
+    assert r["time_to_target_s"] == pytest.approx(hit["version_time"], abs=0.01) and hit["version_time"] < hit["time"]
     assert r["eval_first"] == evals[0]["eval/accuracy"] and evals[0]["step"] == 0
+    for name in ("own", "float32"):  # the demo's actors run float32: both protocols score the same
+        protocol = r["protocols"][name]
+        assert protocol["step"] == 2 and protocol["with_eval_s"] == protocol["without_eval_s"] == r["time_to_target_s"]
+    assert hit["eval/accuracy"] == hit["eval/accuracy@float32"]
 
 
 def test_bench_peer_trl_through_a_chat_template(tmp_path, chat_model):
@@ -424,6 +429,9 @@ def test_bench_peer_trl(tmp_path, demo_model):
     r = line["trl"]
     check_peer_figures(r, steps=1)  # stopped at the first evaluation after step 0
     assert r["steps_run"] == 1 and r["eval_s_subtracted"] > 0
+    own = r["protocols"]["own"]
+    assert own["with_eval_s"] == r["time_to_target_s"] and own["without_eval_s"] <= own["with_eval_s"]
+    assert r["protocols"]["float32"]["step"] == 1
 
 
 def test_verify_cost_runs_the_demo_both_ways(tmp_path, demo_model):

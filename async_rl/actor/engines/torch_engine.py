@@ -92,13 +92,15 @@ class TorchEngine(GenerationEngine):
         tokenizer: object | None = None,
         lora=None,
         attention: str | None = None,
+        compile: bool = False,
     ) -> None:
         """`stop_strings` end a response as soon as its text contains one (the token that
         completes it is kept); they need the `tokenizer` to read the text. `lora` (the
         config's model.lora): the model gets the learner's adapters, and a sync carries
         those alone; in float32 they stay merged into the weights, a sync lands aside and
         `set_version` folds it in (lora/folded.py). `attention`: the HF attention kernel
-        ("sdpa", "eager"; None keeps the model's)."""
+        ("sdpa", "eager"; None keeps the model's). `compile`: each transformer block
+        compiled (models/compiled.py), for prefill and decode alike."""
         if isinstance(model_or_path, nn.Module):
             model = model_or_path
             if attention is not None:
@@ -117,6 +119,10 @@ class TorchEngine(GenerationEngine):
             model = with_adapters(model, lora)
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.model.requires_grad_(False)  # weights only change through in-place sync
+        if compile:
+            from async_rl.models.compiled import compile_blocks
+
+            compile_blocks(self.model)
         self.version = 0
         self._folded = None
         if lora is not None:

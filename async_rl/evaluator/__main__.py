@@ -1,0 +1,5 @@
+import sys
+
+from async_rl.evaluator.service import main
+
+sys.exit(main())
