@@ -27,7 +27,7 @@ def summarize(run_dir: Path, target: float) -> dict:
         "run": run.name,
         "max_staleness": cfg["max_staleness"],
         "steps": steps[-1]["step"],
-        "to_target": f"{hit['step']} steps / {hit['time']:.0f} s" if hit else "not reached",
+        "to_target": f"{hit['step']} steps / {hit.get('version_time', hit['time']):.0f} s" if hit else "not reached",
         "eval_first": evals[0]["eval/accuracy"],
         "eval_last": evals[-1]["eval/accuracy"],
         "samples_per_s": steps[-1]["train/samples"] / max(steps[-1]["time"] - steps[0]["time"], 1e-9),
