@@ -21,27 +21,42 @@ order (task.train_prompt(0), (1), ...) rendered the same way (the chat template 
 config uses one; peer_trl.py checks the token ids), score them with the task's own reward
 on the decoded completion without special tokens, and evaluate greedily on the first
 eval.size held-out prompts with the same code (async_rl.actor.rollout.rollout.Rollout.scores) every
---eval-every steps and at step 0. A run stops at the first evaluation after step 0 that
-reaches --target (async-rl by SIGTERM, its checkpoint written after the measurement) or
-at --max-steps.
+--eval-every steps and at step 0.
 
 Figures per system (one JSON line per seed on stdout; with several seeds a last line with
 the median, min and max over seeds; all also appended to OUT/results.jsonl; progress on stderr):
-  time_to_target_s   async-rl: the `time` of the first eval line >= target in metrics.jsonl
-                     (as analysis/summarize.py): seconds since the learner started, so it
-                     includes the actors' start-up before the first batch and the eval
-                     round's own latency; evaluation never pauses the learner (actors run it).
-                     TRL: seconds from the start of its first step to the end of the step
-                     whose evaluation reaches the target, minus the time spent evaluating
-                     (evaluation pauses TRL's training, and is not part of its cost).
+  protocols          per way of scoring a policy, the step and clocks of the first
+                     evaluation reaching the target, and the curve:
+                       own      as the system itself samples: TRL's weights under its bf16
+                                autocast with its attention kernel; async-rl's actors' engine
+                                (the config's actors.engine), scored by its evaluator
+                       float32  both by the same torch engine in float32 (the actors'
+                                attention kernel); async-rl's evaluator scores its master
+                                weights there (eval.also_dtypes=[float32])
+                     each with two clocks:
+                       with_eval_s     TRL: seconds from the start of its first step to
+                                       the end of the step evaluated, its evaluations
+                                       (which pause its training) included; async-rl:
+                                       the learner's clock when it made that version
+                                       (`version_time`), which counts whatever the
+                                       evaluation cost it (the evaluator shares the CPU)
+                       without_eval_s  TRL: the same minus its evaluations; async-rl: the
+                                       same as with (its evaluator runs beside the
+                                       learner: there is nothing to subtract)
+  time_to_target_s   the own protocol, evaluation counted (with_eval_s).
   steps_to_target    learner (optimizer) steps up to that evaluation.
   samples_per_s      steps_to_target * samples per step / time_to_target_s.
   cpu_s_per_sample   user+system CPU seconds of the system's whole process tree
                      (RUSAGE_CHILDREN around the subprocess; imports, model loading,
-                     evaluation and shutdown included, for both) / (steps_to_target * samples
-                     per step).
+                     evaluation and shutdown included, for both) / (steps_run * samples per
+                     step): per trained sample (async-rl trains on while its evaluator's
+                     lines come in, so steps_run may pass steps_to_target).
   first_step_s       the same clock at the end of step 1 (async-rl: mostly start-up).
-  ratio_trl_over_async_rl  TRL time_to_target_s / async-rl's (> 1: async-rl is faster).
+  ratio_trl_over_async_rl  TRL time_to_target_s / async-rl's (> 1: async-rl is faster);
+  ratios             the same per protocol and clock, and at each evaluated step both
+                     reached ("same_step", own protocol, evaluation counted).
+A run goes on until every protocol has reached the target (async-rl is then stopped by
+SIGTERM, its checkpoint written after the measurement) or --max-steps.
 Without the target reached, the *_to_target fields are null and samples/s and CPU/sample
 cover the steps run.
 
@@ -221,7 +236,7 @@ def figures(system: str, evals: list[dict], last_step: int, last_time: float, fi
             "time_to_target_s": round(seconds, 2) if hit else None,
             "steps_to_target": hit["step"] if hit else None,
             "samples_per_s": round(samples / seconds_run, 1) if seconds_run > 0 else None,
-            "cpu_s_per_sample": round(cpu_s / samples, 5) if samples else None,
+            "cpu_s_per_sample": round(cpu_s / (last_step * samples_per_step), 5) if last_step else None,
             "cpu_s": round(cpu_s, 1), "steps_run": last_step,
             "first_step_s": round(first_step_s, 2) if first_step_s is not None else None,
             "eval_first": evals[0]["eval/accuracy"] if evals else None,

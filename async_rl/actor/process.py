@@ -153,6 +153,7 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
         if cfg.sync.in_flight:
             engine.step_hook = InFlight(syncer, timeout_s=cfg.transport.timeout_s, poll_s=cfg.sync.in_flight_poll_s)
         log.info("actor %d ready (%s) on %s", actor_id, name, device)
+        compiling = engine_cfg.name == "torch" and engine_cfg.compile
         while True:
             # Parameters left half-updated by a broken-off broadcast (unstaged receivers:
             # sync.stage_on_actors=false, vLLM) must not generate: ask for no prompts
@@ -189,6 +190,10 @@ def run_actor(hub_addr: str, name: str | None = None, keys_dir: str | None = Non
             elif isinstance(reply, WorkGrant):
                 try:
                     generated = rollout.generate(reply, actor_id, spans)
+                    if compiling:
+                        log.info("actor %d: the first batch took %.1f s, compiling the blocks included "
+                                 "(actors.engine.compile)", actor_id, generated.seconds)
+                        compiling = False
                 except LeaveNow as leave:  # only from the in-flight hook, in the middle of generation
                     if leave.rejoin:  # the grant was re-issued when the hub removed us: drop the batch
                         scorer.drop_pending()

@@ -19,7 +19,7 @@ class EvalConfig(Section):
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 = greedy.")
     pass_k: int = Field(1, ge=1, description="Samples per prompt; > 1 also logs eval/pass@k.")
     threads: int | None = Field(None, ge=1, description="Torch threads of the evaluator, or of an actor while it evaluates (null = actors.threads).")
-    nice: int = Field(19, ge=0, le=19, description="The evaluator's niceness: training has the CPU first (its lines may come later, each at its version's time); 0 = as training.")
+    nice: int = Field(0, ge=0, le=19, description="The evaluator's niceness (and its autogroup's): > 0 gives training the CPU first, its lines then come later, each at its version's time.")
     also_dtypes: list[Literal["float32", "bfloat16", "float16"]] = Field(default_factory=list, description="The evaluator also scores each round with the torch engine in these dtypes, from the master weights: eval/accuracy@<dtype>.")
     final_dtypes: list[Literal["float32", "bfloat16", "float16"]] = Field(default_factory=list, description="Score final/ again when the run ends, with the torch engine in each of these dtypes (e.g. [float32]): one line, also in final/README.md.")
 

@@ -80,10 +80,22 @@ class Evaluator:
         return line
 
 
+def lower_priority(nice: int) -> None:
+    """Nice this process by `nice`, and its autogroup too: the evaluator leads a session
+    of its own, and where the kernel groups sessions (sched_autogroup_enabled) a task's
+    nice only weighs inside its group, so the group's decides against training."""
+    if not nice:
+        return
+    os.nice(nice)
+    try:
+        Path("/proc/self/autogroup").write_text(str(nice))
+    except OSError:  # no autogroups here (or not Linux): the task's nice is all there is
+        pass
+
+
 def serve(folder: Path, parent_pid: int) -> int:
     cfg = from_yaml((folder / CONFIG_FILE).read_text())
-    if cfg.eval.nice:
-        os.nice(cfg.eval.nice)
+    lower_priority(cfg.eval.nice)
     torch.set_num_threads(cfg.eval.threads or cfg.actors.threads)
     evaluator = Evaluator(cfg)
     log.info("evaluator ready: %d held-out prompts, %s, %d thread(s)", len(evaluator.prompt_ids),

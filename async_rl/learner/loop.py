@@ -55,6 +55,7 @@ class Loop:
         self.rank0 = trainer.rank == 0
         self.spans = services.spans
         self.halt: Stop | None = None  # rank 0: a stop for want of data
+        self.compile_reported = False
 
     def run(self) -> Stop:
         """Train to train.max_steps or a stop rule; returns how the run ended."""
@@ -69,8 +70,13 @@ class Loop:
                 stop = self.halt or Stop(0, f"interrupted at step {trainer.version}")
                 break
             histograms: dict[str, list[torch.Tensor]] | None = {} if self.rank0 else None
+            started = time.monotonic()
             with self.spans.span("train-step", step=trainer.version + 1):
                 stats = trainer.step(local, histograms)
+            if cfg.learner.compile and self.rank0 and not self.compile_reported:  # a restart's is shorter: cached
+                log.info("the first step took %.1f s, compiling the blocks included (learner.compile)",
+                         time.monotonic() - started)
+                self.compile_reported = True
             stats["memory/learner_peak_rss_gb"], bad_rewards = self.all_reduce_verdicts(data)
             # Before the publish: its broadcast can complete, and the actors ask for work at
             # the new version, before publish() even returns (streamed buckets).

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, read_metrics, subprocess_env
 
 # float32 kernels that fuse differently (inductor's C++ against ATen) differ in the last bits
@@ -54,3 +53,5 @@ def test_a_run_with_both_compiled_trains_to_its_end(tmp_path, demo_model):
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps, evals = read_metrics(run_dir)
     assert [s["step"] for s in steps] == [1, 2, 3] and [e["step"] for e in evals] == [0, 3]
+    assert "compiling the blocks included (learner.compile)" in proc.stderr  # each role says what compiling cost
+    assert "compiling the blocks included (actors.engine.compile)" in (run_dir / "logs/actor-0.log").read_text()

@@ -21,3 +21,21 @@ def test_an_evaluator_that_keeps_failing_is_restarted_then_given_up(tmp_path):
     assert notes[-1].startswith("the evaluator exited with status 1; not restarting it after 3 restarts")
     assert process.given_up and process.watch() is None
     assert "FileNotFoundError" in (tmp_path / "logs" / "evaluator.log").read_text()  # the cause, in its log
+
+
+def test_the_evaluator_lowers_its_autogroup_too(tmp_path):
+    """In a session of its own (as the learner starts it), a task's nice alone would not
+    weigh against training where the kernel groups sessions: the group's nice must."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import os; from async_rl.evaluator.service import lower_priority; lower_priority(19); "
+            "group = '/proc/self/autogroup'; print(os.nice(0)); "
+            "print(open(group).read().strip() if os.path.exists(group) else 'no autogroup nice 19')")
+    out = subprocess.run([sys.executable, "-c", code], start_new_session=True, capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3])))
+    assert out.returncode == 0, out.stderr
+    niceness, group = out.stdout.splitlines()
+    assert niceness == "19" and group.endswith("nice 19")
