@@ -48,13 +48,17 @@ def evaluation_rollout(cfg: Config, model: str, dtype: str, lora=None, seed_offs
     return rollout, prompt_format
 
 
-def score_prompts(rollout, prompt_ids: list[int], batch_size: int):
+def score_prompts(rollout, prompt_ids: list[int], batch_size: int, on_chunk=None):
     """(the held-out prompts' scored episodes, groups[i] prompt i's samples, their Scores),
-    `batch_size` prompts per generate call, as an actor scores its chunks."""
+    `batch_size` prompts per generate call, as an actor scores its chunks; `on_chunk()`
+    after each."""
     from async_rl.actor.rollout.rollout import Scores
 
-    groups = [g for i in range(0, len(prompt_ids), batch_size)
-              for g in rollout.evaluation(prompt_ids[i:i + batch_size])]
+    groups = []
+    for i in range(0, len(prompt_ids), batch_size):
+        groups += rollout.evaluation(prompt_ids[i:i + batch_size])
+        if on_chunk is not None:
+            on_chunk()
     return groups, Scores.of(groups)
 
 

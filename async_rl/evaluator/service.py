@@ -20,7 +20,14 @@ from pathlib import Path
 import torch
 
 from async_rl.config import Config, from_yaml
-from async_rl.evaluator.versions import CONFIG_FILE, load_version, unscored, version_file, write_atomically
+from async_rl.evaluator.versions import (
+    CONFIG_FILE,
+    PROGRESS_FILE,
+    load_version,
+    unscored,
+    version_file,
+    write_atomically,
+)
 
 log = logging.getLogger("async_rl.evaluator")
 POLL_S = 0.2  # between looks for a new version
@@ -69,11 +76,16 @@ class Evaluator:
         self.load(tensors, version)
         del tensors
         started = time.monotonic()
-        _, scores = score_prompts(self.rollout, self.prompt_ids, self.cfg.eval.batch_size)
+        progress = (folder / PROGRESS_FILE)
+
+        def chunk_done() -> None:  # the learner's final wait counts chunks as progress, not only whole rounds
+            progress.touch()
+
+        _, scores = score_prompts(self.rollout, self.prompt_ids, self.cfg.eval.batch_size, chunk_done)
         line = {"step": version, "version": version, **eval_line(scores, prefix="eval/"),
                 "eval/seconds": round(time.monotonic() - started, 3), "version_time": meta["time"]}
         for dtype, rollout in self.also.items():
-            _, scores = score_prompts(rollout, self.prompt_ids, self.cfg.eval.batch_size)
+            _, scores = score_prompts(rollout, self.prompt_ids, self.cfg.eval.batch_size, chunk_done)
             line.update({f"{key}@{dtype}": value for key, value in eval_line(scores).items()
                          if key in ("eval/accuracy", "eval/reward_mean", "eval/response_len_mean")})
         write_atomically(version_file(folder, version, ".result.json"), json.dumps(line))

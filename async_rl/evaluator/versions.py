@@ -4,6 +4,7 @@
     v000010.safetensors   the weights of version 10 as the actors receive them, in the evaluator's dtype
     v000010.json          {version, time, names}: written last, so its presence says the weights are whole
     v000010.result.json   the evaluator's metrics line for version 10
+    progress              touched after each chunk of held-out prompts: a long round is progress too
 
 Every file appears by an atomic rename, so neither side ever reads half of one. The
 learner logs a result and removes that version's files; a version's `time` is the
@@ -22,6 +23,7 @@ import torch
 
 FOLDER = "evaluator"
 CONFIG_FILE = "config.yaml"
+PROGRESS_FILE = "progress"
 
 
 def version_file(folder: Path, version: int, suffix: str) -> Path:
@@ -86,6 +88,13 @@ class VersionStore:
         if self._writer is not None:
             self._writer.join()
             self._writer = None
+
+    def last_progress(self) -> float:
+        """The wall-clock time of the evaluator's last chunk (0 before its first)."""
+        try:
+            return (self.folder / PROGRESS_FILE).stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
 
     def results(self) -> list[dict]:
         """The evaluator's lines since the last call, oldest version first; their files go."""

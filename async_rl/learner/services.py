@@ -216,10 +216,11 @@ class Rank0Services:
         return write
 
     def eval_idle_s(self, since: float) -> float:
-        """Seconds without an evaluation line (nor, with the actors evaluating, any of
-        their messages), counted from `since` at the earliest."""
+        """Seconds without an evaluation line or a chunk of one (with the actors
+        evaluating, without any of their messages), counted from `since` at the earliest."""
         if self.evaluator is not None:
-            return time.monotonic() - max(since, self._last_eval_line)
+            chunk = time.monotonic() - (time.time() - self.versions.last_progress())  # its wall clock, ours
+            return time.monotonic() - max(since, self._last_eval_line, chunk)
         return self.coordinator.idle_s(since=since)
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
-"""Evaluation on the actors, in a real run: an evaluation longer than the learner's
-timeout stalls no rank."""
+"""Evaluation in a real run, on the actors and on the evaluator: an evaluation longer
+than the learner's timeout stalls no rank."""
+import pytest
 from conftest import read_metrics, train
 
 # Every reward call takes this long: an evaluation of N samples takes at least N times
@@ -14,10 +15,12 @@ def score(prompt, response, answer):
 """
 
 
-def test_an_evaluation_longer_than_the_learner_timeout_stalls_no_rank(tmp_path, demo_model):
-    """The step-0 evaluation keeps the only actor busy for longer than learner.timeout_s
-    before it generates anything, while both learner ranks wait: nobody times out (the
-    learner waits in short collectives and counts evaluation results as progress)."""
+@pytest.mark.parametrize("placement", ["actors", "evaluator"])
+def test_an_evaluation_longer_than_the_learner_timeout_stalls_no_rank(tmp_path, demo_model, placement):
+    """On the actors, the step-0 evaluation keeps the only actor busy for longer than
+    learner.timeout_s before it generates anything, while both learner ranks wait; on
+    the evaluator, the final one keeps both ranks waiting as long. Nobody times out
+    (the learner waits in short collectives and counts each chunk scored as progress)."""
     run = tmp_path / "long_eval"
     reward = tmp_path / "slow_reward.py"
     reward.write_text(SLOW_REWARD)
@@ -27,8 +30,9 @@ def test_an_evaluation_longer_than_the_learner_timeout_stalls_no_rank(tmp_path, 
     assert prompts * samples * REWARD_S > timeout_s + 3 and chunk * samples * REWARD_S < timeout_s / 3
     train(run, demo_model, "train.max_steps=2", "learner.ranks=2", f"learner.timeout_s={timeout_s}", "eval.every=0",
           f"task.eval_size={prompts}", f"eval.size={prompts}", f"eval.batch_size={chunk}", f"eval.pass_k={samples}",
-          "eval.temperature=1.0", f"task.reward={reward}:score", "reward.workers=1", timeout=180)
+          "eval.temperature=1.0", f"task.reward={reward}:score", "reward.workers=1", f"eval.placement={placement}",
+          timeout=180)
     steps, evals = read_metrics(run)
     assert [s["step"] for s in steps] == [1, 2] and [e["step"] for e in evals] == [0, 2]
     assert all(e["eval/prompts"] == prompts and f"eval/pass@{samples}" in e for e in evals)
-    assert evals[0]["eval/seconds"] > timeout_s
+    assert evals[0]["eval/seconds"] > timeout_s and evals[-1]["eval/seconds"] > timeout_s

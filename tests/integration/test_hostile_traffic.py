@@ -76,7 +76,7 @@ def test_thousands_of_malformed_messages_do_not_disturb_training(tmp_path, demo_
     assert proc.returncode == 130, err[-3000:]
     steps, evals = read_metrics(run)
     last = steps[-1]
-    assert last["step"] >= before and evals
+    assert last["step"] >= before  # an interrupted run waits for no evaluation: it may have none
     # Every hostile message is counted (a step line may precede the final few).
     assert last["wire/rejected"] >= 0.95 * len(messages), (last["wire/rejected"], len(messages))
     assert last["staleness/dropped"] == 0 and last["actors/live"] == 1

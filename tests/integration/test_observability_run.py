@@ -32,7 +32,7 @@ def test_a_run_writes_a_timeline_of_learner_and_actor(observed):
     learner = [s for s in spans if s.track == "learner"]
     actor = [s for s in spans if s.track == "actor-0"]
     names = {s.name for s in learner}
-    assert {"wait-for-data", "train-step", "sync", "eval", "checkpoint", "export"} == names
+    assert {"wait-for-data", "train-step", "sync", "save-version", "eval", "checkpoint", "export"} == names
     assert [s.args["step"] for s in learner if s.name == "train-step"] == [1, 2, 3]
     # One wall clock: the tracks line up.
     start, end = min(s.start_s for s in learner), max(s.start_s + s.dur_s for s in learner)
@@ -51,8 +51,9 @@ def test_a_run_writes_a_timeline_of_learner_and_actor(observed):
     # The goodbye came: every span of the actor's is here.
     assert dropped == {"actor-0": 0}
     assert {s.track for s in spans} == {"learner", "actor-0"}
-    # The actor also evaluates (the learner's "eval" span is its wait for the final round).
-    assert {"generate", "score", "push", "sync", "eval"} <= {s.name for s in actor}
+    # The evaluator scores the rounds (the learner's "save-version" spans hand it the
+    # weights, its "eval" span is the wait for the final round): the actor only generates.
+    assert {"generate", "score", "push", "sync"} <= {s.name for s in actor} and "eval" not in {s.name for s in actor}
     generated = [s for s in actor if s.name == "generate"]
     assert all(s.args["groups"] == 4 and s.args["tokens"] > 0 for s in generated)
     # Every group the learner trained on was generated (and pushed) by the actor.
