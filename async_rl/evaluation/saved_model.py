@@ -24,7 +24,7 @@ class Scored:
     shown: list[str]  # the first prompts as the model saw them, each with its first response
 
 
-def evaluation_rollout(cfg: Config, model: str, dtype: str, lora=None, seed_offset: int = 0):
+def evaluation_rollout(cfg: Config, model: str, dtype: str, lora=None):
     """(the rollout that scores held-out prompts as an actor does, its prompt format) for
     `model` (an HF directory; with `lora`, the config's model.lora, its adapters on top)
     on the torch engine in `dtype`: the config's task, chat template, stop tokens and
@@ -44,7 +44,7 @@ def evaluation_rollout(cfg: Config, model: str, dtype: str, lora=None, seed_offs
                          lora=lora, **stops, **options)
     cfg = cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"components": []})})
     rollout = Rollout.from_config(cfg, engine, prompt_format, task_from_config(cfg.task, cfg.seed),
-                                  torch.Generator().manual_seed(cfg.seed + seed_offset))
+                                  torch.Generator().manual_seed(cfg.seed))
     return rollout, prompt_format
 
 
