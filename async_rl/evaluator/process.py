@@ -8,9 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import suppress
 from pathlib import Path
 
 from async_rl.evaluator.service import ROLE_ENV
+from async_rl.evaluator.versions import mark_progress
 from async_rl.run.processes import child_of
 
 MAX_RESTARTS = 3
@@ -26,6 +28,8 @@ class EvaluatorProcess:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with suppress(FileNotFoundError):  # a (re)start is progress: the process marks its own until it is ready
+            mark_progress(self.folder)
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), PYTHONUNBUFFERED="1", **{ROLE_ENV: "evaluator"})
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "async_rl.evaluator", str(self.folder)], env=env,

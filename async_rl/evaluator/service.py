@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,8 +23,8 @@ import torch
 from async_rl.config import Config, from_yaml
 from async_rl.evaluator.versions import (
     CONFIG_FILE,
-    PROGRESS_FILE,
     load_version,
+    mark_progress,
     unscored,
     version_file,
     write_atomically,
@@ -76,10 +77,9 @@ class Evaluator:
         self.load(tensors, version)
         del tensors
         started = time.monotonic()
-        progress = (folder / PROGRESS_FILE)
 
         def chunk_done() -> None:  # the learner's final wait counts chunks as progress, not only whole rounds
-            progress.touch()
+            mark_progress(folder)
 
         _, scores = score_prompts(self.rollout, self.prompt_ids, self.cfg.eval.batch_size, chunk_done)
         line = {"step": version, "version": version, **eval_line(scores, prefix="eval/"),
@@ -105,11 +105,16 @@ def lower_priority(nice: int) -> None:
         pass
 
 
-def serve(folder: Path, parent_pid: int) -> int:
+def serve(folder: Path, parent_pid: int, ready: threading.Event | None = None) -> int:
+    """Score versions until the learner is gone; `ready` is set once the engines are
+    built (until then the progress file is kept fresh by whoever made it)."""
     cfg = from_yaml((folder / CONFIG_FILE).read_text())
     lower_priority(cfg.eval.nice)
     torch.set_num_threads(cfg.eval.threads or cfg.actors.threads)
     evaluator = Evaluator(cfg)
+    mark_progress(folder)
+    if ready is not None:
+        ready.set()
     log.info("evaluator ready: %d held-out prompts, %s, %d thread(s)", len(evaluator.prompt_ids),
              str(evaluator.dtype).removeprefix("torch."), torch.get_num_threads())
     try:
@@ -126,7 +131,7 @@ def serve(folder: Path, parent_pid: int) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, ready: threading.Event | None = None) -> int:
     from async_rl.models.loading import quiet_libraries
 
     argv = sys.argv[1:] if argv is None else argv
@@ -134,6 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     os.environ[ROLE_ENV] = "evaluator"
     try:
-        return serve(Path(argv[0]), os.getppid())
+        return serve(Path(argv[0]), os.getppid(), ready)
     except KeyboardInterrupt:
         return 130

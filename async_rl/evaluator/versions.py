@@ -4,7 +4,8 @@
     v000010.safetensors   the weights of version 10 as the actors receive them, in the evaluator's dtype
     v000010.json          {version, time, names}: written last, so its presence says the weights are whole
     v000010.result.json   the evaluator's metrics line for version 10
-    progress              touched after each chunk of held-out prompts: a long round is progress too
+    progress              touched while the evaluator starts and after each chunk of held-out prompts:
+                          a starting evaluator and a long round are progress, not a stall
 
 Every file appears by an atomic rename, so neither side ever reads half of one. The
 learner logs a result and removes that version's files; a version's `time` is the
@@ -16,14 +17,44 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # not imported at run time: the evaluator marks its progress before torch has loaded
+    import torch
 
 FOLDER = "evaluator"
 CONFIG_FILE = "config.yaml"
 PROGRESS_FILE = "progress"
+STARTUP_MARK_S = 1.0  # how often a starting evaluator touches the progress file
+STARTUP_LIMIT_S = 600.0  # a startup longer than this is no longer progress: the learner's timeout applies
+
+
+def mark_progress(folder: Path) -> None:
+    (folder / PROGRESS_FILE).touch()
+
+
+def mark_progress_while_starting(folder: Path) -> threading.Event:
+    """Touch the progress file every STARTUP_MARK_S until the returned event is set (or
+    STARTUP_LIMIT_S have passed): what the evaluator does while the interpreter, torch and
+    its engines load, so that the learner's final wait does not take a starting
+    evaluator for a stalled one."""
+    ready = threading.Event()
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+
+    def mark() -> None:
+        while time.monotonic() < deadline:
+            try:
+                mark_progress(folder)
+            except OSError:  # the folder is gone: the run is over
+                return
+            if ready.wait(STARTUP_MARK_S):
+                return
+
+    threading.Thread(target=mark, daemon=True, name="evaluator-starting").start()
+    return ready
 
 
 def version_file(folder: Path, version: int, suffix: str) -> Path:

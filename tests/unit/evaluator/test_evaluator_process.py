@@ -1,5 +1,7 @@
 import time
 
+import pytest
+
 from async_rl.evaluator.process import MAX_RESTARTS, EvaluatorProcess
 
 
@@ -39,3 +41,49 @@ def test_the_evaluator_lowers_its_autogroup_too(tmp_path):
     assert out.returncode == 0, out.stderr
     niceness, group = out.stdout.splitlines()
     assert niceness == "19" and group.endswith("nice 19")
+
+
+SLOW_IMPORT = """import time
+from pathlib import Path
+
+Path({importing!r}).touch()
+time.sleep(4)
+Path({imported!r}).touch()
+
+
+def score(prompt, response, answer):
+    return 0.0
+"""
+
+
+@pytest.mark.integration  # a real evaluator's start: model, engine, a reward module that takes 4 s
+def test_a_starting_evaluator_is_progress_for_the_learner(tmp_path, demo_model):
+    """While the evaluator loads (here a reward module that takes 4 s to import), its
+    progress mark stays fresh: the learner's final wait does not give up on it."""
+    from pathlib import Path
+
+    import torch
+
+    from async_rl.config import load_config, to_yaml
+    from async_rl.evaluator.versions import PROGRESS_FILE, VersionStore
+
+    importing, imported = tmp_path / "importing", tmp_path / "imported"
+    reward = tmp_path / "slow_import.py"
+    reward.write_text(SLOW_IMPORT.format(importing=str(importing), imported=str(imported)))
+    root = Path(__file__).resolve().parents[3]
+    cfg = load_config(root / "configs/demo.yaml", [f"model.path={demo_model}", f"task.reward={reward}:score",
+                                                   "eval.size=4"])
+    folder = tmp_path / "evaluator"
+    VersionStore(folder, to_yaml(cfg), torch.float32)
+    process = EvaluatorProcess(folder, tmp_path / "logs" / "evaluator.log", threads=1)
+    process.start()
+    marks = set()
+    try:
+        deadline = time.monotonic() + 120
+        while not imported.exists() and process.proc.poll() is None and time.monotonic() < deadline:
+            marks.add((folder / PROGRESS_FILE).stat().st_mtime)
+            time.sleep(0.05)
+        assert imported.exists(), (tmp_path / "logs" / "evaluator.log").read_text()
+    finally:
+        process.stop()
+    assert any(importing.stat().st_mtime < mark < imported.stat().st_mtime for mark in marks)

@@ -52,3 +52,28 @@ def test_a_save_that_fails_is_reported_not_raised(tmp_path):
     store.saver(10, 0.0)(iter(params()))
     store.flush()
     assert store.error is not None and store.pending == set() and unscored(tmp_path) == []
+
+
+def test_a_starting_evaluator_marks_progress_until_it_is_ready(tmp_path):
+    import os
+    import threading
+    import time
+
+    from async_rl.evaluator.versions import PROGRESS_FILE, STARTUP_MARK_S, mark_progress_while_starting
+
+    progress = tmp_path / PROGRESS_FILE
+    ready = mark_progress_while_starting(tmp_path)
+    deadline = time.monotonic() + 30
+    while not progress.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.utime(progress, (0, 0))  # made long ago: the next mark must renew it
+    while progress.stat().st_mtime == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert progress.stat().st_mtime > 0
+    ready.set()
+    for thread in threading.enumerate():
+        if thread.name == "evaluator-starting":
+            thread.join(timeout=30)
+    os.utime(progress, (0, 0))
+    time.sleep(2 * STARTUP_MARK_S)
+    assert progress.stat().st_mtime == 0  # ready: from now on chunks and lines are the progress
