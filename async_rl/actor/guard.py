@@ -33,6 +33,7 @@ from async_rl.rewards.outcome import Failed
 from async_rl.wire.messages import FAILURE_REASONS
 
 log = logging.getLogger("async_rl.reward")
+METRIC_PREFIX = {"reward": "reward", "environment": "env"}  # where each kind's failures are counted
 
 
 class Guard:
@@ -40,9 +41,12 @@ class Guard:
     its failures counted by reason since construction (`totals`)."""
 
     def __init__(self, name: str, *, timeout_s: float, fallback: float = 0.0, kind: str = "reward",
-                 logger: logging.Logger = log) -> None:
-        """`kind`: how log lines call it ("reward", "environment")."""
+                 logger: logging.Logger = log, excluded: bool = False) -> None:
+        """`kind`: how log lines call it ("reward", "environment"); `excluded`: a failed
+        sample is left out of training (reward.on_failure=exclude), the fallback scoring
+        it in evaluations only."""
         self.name, self.timeout_s, self.fallback, self.kind, self.log = name, timeout_s, float(fallback), kind, logger
+        self.excluded = excluded
         self.totals = [0] * len(FAILURE_REASONS)
         self._lock = threading.Lock()
 
@@ -53,9 +57,12 @@ class Guard:
             self.totals[i] += 1
             first = self.totals[i] == 1
         if first:
-            self.log.warning("%s %s %s: scored reward.fallback=%g; further '%s' failures are counted "
-                             "(reward/errors_%s), not logged", self.kind, self.name, str(failure).splitlines()[0],
-                             self.fallback, failure.reason, failure.reason, exc_info=failure.__cause__)
+            fate = (f"its sample is left out of training (reward.on_failure=exclude) and scores "
+                    f"reward.fallback={self.fallback:g} in evaluations" if self.excluded
+                    else f"scored reward.fallback={self.fallback:g}")
+            self.log.warning("%s %s %s: %s; further '%s' failures are counted (%s/errors_%s), not logged", self.kind,
+                             self.name, str(failure).splitlines()[0], fate, failure.reason, METRIC_PREFIX[self.kind],
+                             failure.reason, exc_info=failure.__cause__)
         return self.fallback
 
 

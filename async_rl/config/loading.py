@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from async_rl.config.moved import refuse_moved_keys
+from async_rl.config.moved import VARIANT_INSTEAD, refuse_moved_keys
 from async_rl.config.root import Config
 from async_rl.config.section import ConfigError
 
@@ -80,12 +80,13 @@ def _section(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _key(loc: tuple) -> tuple[str, str | None]:
+def _key(loc: tuple) -> tuple[str, str | None, dict[str, type[BaseModel]]]:
     """(the dotted key a pydantic error location names, the variant on the way as
-    `key.name=value`, if any): a choice's location holds its tag, which is no key."""
+    `key.name=value`, if any, and that choice's variants): a choice's location holds its
+    tag, which is no key."""
     model: type[BaseModel] | None = Config
     parts: list[str] = []
-    variant = None
+    variant, variants = None, {}
     items = list(loc)
     while items:
         part = items.pop(0)
@@ -97,20 +98,33 @@ def _key(loc: tuple) -> tuple[str, str | None]:
             break
         choices = _variants(field)
         if choices and items and items[0] in choices:
-            variant = f"{'.'.join(parts)}.name={items[0]}"
+            variant, variants = f"{'.'.join(parts)}.name={items[0]}", choices
             model = choices[items.pop(0)]
         else:
             model = _section(field.annotation)
-    return ".".join(parts), variant
+    return ".".join(parts), variant, variants
+
+
+def _unknown(key: str, variant: str | None, variants: dict[str, type[BaseModel]]) -> str:
+    """An unknown key, and where it is known: another variant of the same choice, with
+    what this variant has in its place."""
+    line = f"{key}: unknown key" + (f" for {variant}" if variant else "")
+    field, chosen = key.rpartition(".")[2], variant.rpartition("=")[2] if variant else None
+    owners = [name for name, member in variants.items() if field in member.model_fields]
+    if owners:
+        line += f" (a key of {variant.rpartition('=')[0]}={'/'.join(owners)})"
+    if (instead := VARIANT_INSTEAD.get(key, {}).get(chosen)) is not None:
+        line += f"; with {chosen}: {instead}"
+    return line
 
 
 def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
-    key, variant = _key(tuple(first["loc"]))
+    key, variant, variants = _key(tuple(first["loc"]))
     msg = first["msg"].removeprefix("Value error, ")
     kind = first["type"]
     if kind == "extra_forbidden":
-        return f"{key}: unknown key" + (f" for {variant}" if variant else "")
+        return _unknown(key, variant, variants)
     if kind == "union_tag_invalid":
         expected = first["ctx"]["expected_tags"].replace("'", "")
         return f"{key}.name: {first['ctx']['tag']!r} is not one of {expected}"

@@ -23,6 +23,16 @@ MOVED: dict[str, tuple[str, str | None]] = {
     "actors.dtype": ("actors.engine.dtype", None),
 }
 
+# a key some variants have, and what another variant has in its place: {key: {variant: what instead}}
+VARIANT_INSTEAD: dict[str, dict[str, str]] = {
+    "task.eval_size": {
+        "jsonl": "the held-out prompts are task.eval_path, else a held-out 10% of task.train_path; "
+                 "eval.size caps how many are scored",
+        "dataset": "the held-out prompts are task.eval_split, else a held-out task.eval_fraction of task.split; "
+                   "eval.size caps how many are scored",
+    },
+}
+
 
 def _keys(tree: dict[str, Any], prefix: str = "") -> list[str]:
     out = []

@@ -141,7 +141,8 @@ class WeightReceiver:
             written = self._store.get(key)
         except dist.DistStoreError:
             raise WeightMismatch(f"rank 0 wrote no fingerprint of version {self._version} within "
-                                 f"{self.timeout_s:.0f}s: what arrived is another version") from None
+                                 f"{self.timeout_s:.0f}s (it published another version, stopped, or its store is "
+                                 "out of reach): what arrived cannot be checked") from None
         sent = decode(Fingerprint, written, "fingerprint")
         if sent.version != self._version:
             raise ValueError(f"malformed fingerprint in the sync store: {key} names version {sent.version}")

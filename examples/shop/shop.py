@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-from async_rl.actor.environments import Turn
+from async_rl import Turn
 
 SYSTEM = ("You are a shop assistant. Prices are not known to you: look one up by writing "
           "<price>item</price>, and the shop answers with it. Then give the total as: Total: N")

@@ -121,8 +121,9 @@ class Rollout:
                     logger: logging.Logger = log) -> Rollout:
         """The rollout a run's config describes (actors, env, eval, reward, train sections)."""
         a, e = cfg.actors, cfg.eval
+        excluded = cfg.reward.on_failure == "exclude"
         reward = Guard(getattr(cfg.task, "reward", None) or f"{type(task).__name__}.reward",
-                       timeout_s=cfg.reward.timeout_s, fallback=cfg.reward.fallback, logger=logger)
+                       timeout_s=cfg.reward.timeout_s, fallback=cfg.reward.fallback, logger=logger, excluded=excluded)
         eval_tokens = e.max_new_tokens or a.max_new_tokens
         limits, eval_limits = Limits(1, a.max_new_tokens, a.max_new_tokens), Limits(1, eval_tokens, eval_tokens)
         environments = None
@@ -131,7 +132,7 @@ class Rollout:
 
             env = cfg.env
             guard = Guard(env.name, timeout_s=env.timeout_s, fallback=cfg.reward.fallback, kind="environment",
-                          logger=logging.getLogger("async_rl.env"))
+                          logger=logging.getLogger("async_rl.env"), excluded=excluded)
             environments = Environments(environment_factory(env.name, task, env.options, env.max_turns), guard,
                                         TurnFormat(prompt_format))
             limits = eval_limits = Limits(env.max_turns, env.max_tokens, env.turn_tokens or a.max_new_tokens)

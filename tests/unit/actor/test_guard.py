@@ -86,6 +86,7 @@ def test_each_failure_scores_the_fallback_and_is_counted(fn, reason, caplog):
     lines = [r for r in caplog.records if r.name == "async_rl.reward"]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING and f"'{reason}'" in lines[0].getMessage()
     assert "reward my_reward" in lines[0].getMessage() and "reward.fallback=-0.5" in lines[0].getMessage()
+    assert f"counted (reward/errors_{reason})" in lines[0].getMessage()
     if reason == "raised":  # the first traceback, for the user to fix their code
         assert lines[0].exc_info and lines[0].exc_info[0] is ValueError
         assert "cannot parse" in lines[0].getMessage()
@@ -284,3 +285,16 @@ def test_environment_failures_travel_apart_from_the_rewards_with_the_first_note(
     errors = step_errors([_group(reward_errors=[1, 0, 0, 0]), got])
     assert errors.env == [2, 1, 0, 0] and errors.frac == 4 / 8 and errors.in_environment()
     assert errors.first == note[:200]
+
+
+def test_the_first_failure_says_where_it_is_counted_and_what_becomes_of_its_sample(caplog):
+    """An environment's failures are counted in env/errors_<reason>; with
+    reward.on_failure=exclude the sample is left out, not trained on as the fallback."""
+    guard = Guard("my_env", timeout_s=5.0, fallback=0.0, kind="environment", excluded=True,
+                  logger=logging.getLogger("async_rl.env"))
+    with caplog.at_level(logging.WARNING, logger="async_rl.env"):
+        guard.failed(Failed("raised", "raised KeyError: 'x'"))
+    [line] = [r.getMessage() for r in caplog.records if r.name == "async_rl.env"]
+    assert line == ("environment my_env raised KeyError: 'x': its sample is left out of training "
+                    "(reward.on_failure=exclude) and scores reward.fallback=0 in evaluations; further 'raised' "
+                    "failures are counted (env/errors_raised), not logged")

@@ -67,6 +67,24 @@ def test_bad_values_name_the_key(override, key):
     assert str(err.value).startswith(key) and "\n" not in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("override, line", [
+    ("task.name=jsonl task.train_path=a.jsonl task.eval_size=10",
+     "task.eval_size: unknown key for task.name=jsonl (a key of task.name=arithmetic/word_problems/tool_problems/"
+     "coding/reasoning_gym); with jsonl: the held-out prompts are task.eval_path, else a held-out 10% of "
+     "task.train_path; eval.size caps how many are scored"),
+    ("task.name=dataset task.path=d task.eval_size=10", "with dataset: the held-out prompts are task.eval_split"),
+    ("task.name=arithmetic task.eval_path=x.jsonl",
+     "task.eval_path: unknown key for task.name=arithmetic (a key of task.name=jsonl)"),
+    ("train.advantage.lam=0.9", "train.advantage.lam: unknown key for train.advantage.name=grpo (a key of "
+                                "train.advantage.name=gae)"),
+])
+def test_a_key_of_another_variant_says_whose_it_is_and_what_is_here_instead(override, line):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs/demo.yaml", override.split())
+    message = str(err.value)
+    assert (message == line or line in message) and "\n" not in message, message
+
+
 @pytest.mark.parametrize("override, where", [
     ("train.ppo.eps_low=0.1", "train.ppo.eps_low: moved to train.loss.eps_low (with train.loss.name=ppo)"),
     ("train.opmd.tau=2", "train.opmd.tau: moved to train.loss.tau (with train.loss.name=opmd)"),

@@ -118,8 +118,9 @@ def test_a_version_other_than_the_orders_is_refused():
         bc.publish(4, iter(source))
         job = wait_for_job(bc, [1])
         errors = sync(bc, job, {1: ("member", receiver)}, version=3)
-        assert str(errors["member"]) == ("rank 0 wrote no fingerprint of version 3 within 2s: what arrived is "
-                                         "another version")
+        assert str(errors["member"]) == ("rank 0 wrote no fingerprint of version 3 within 2s (it published "
+                                         "another version, stopped, or its store is out of reach): what arrived "
+                                         "cannot be checked")
     finally:
         bc.close()
 
