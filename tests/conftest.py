@@ -182,7 +182,7 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
 def running_coordinator(run_dir: Path, config: dict, **options):
     """A real Coordinator (its own thread and ZeroMQ sockets) for a small synchronous run,
     with a one-tensor weight broadcaster; yields (coordinator, zmq context, task).
-    `options` go to the Coordinator (prompt_length, prompt_limit)."""
+    `options` go to the Coordinator (prompt_over_limit, prompt_limit)."""
     import torch
     import zmq
 

@@ -72,12 +72,13 @@ class Grant:
 
 class Coordinator:
     def __init__(self, cfg: Config, task: Task, sender: WeightSender, run_dir: Path,
-                 trace: TraceWriter | None = None, prompt_length=None, prompt_limit: int | None = None):
+                 trace: TraceWriter | None = None, prompt_over_limit=None, prompt_limit: int | None = None):
         """`trace`: where the actors' timeline spans go (the learner's writer; by default
-        one of our own that nobody writes out). `prompt_length(prompt)`: its length in
-        tokens as the actors will encode it; prompts over `prompt_limit` are skipped."""
+        one of our own that nobody writes out). `prompt_over_limit(prompt)`: None when the
+        prompt, as the actors will encode it, is at most `prompt_limit` tokens, else what
+        makes it longer ("812 tokens"); such prompts are skipped."""
         self.cfg, self.task, self.sender, self.run_dir = cfg, task, sender, run_dir
-        self.prompt_length, self.prompt_limit = prompt_length, prompt_limit
+        self.prompt_over_limit, self.prompt_limit = prompt_over_limit, prompt_limit
         self._too_long_streak = 0  # prompts skipped since the last one granted (all too long: a config error)
         self.evals = EvalRounds(eval_prompt_ids(task, cfg.eval.size), cfg.eval.batch_size)
         self._last_result = time.monotonic()
@@ -304,16 +305,15 @@ class Coordinator:
         return WorkGrant(groups=indices, prompt_ids=[p.id for p in prompts])
 
     def _too_long(self, prompt) -> bool:
-        if self.prompt_length is None or self.prompt_limit is None:
+        if self.prompt_over_limit is None or self.prompt_limit is None:
             return False
-        length = self.prompt_length(prompt)
-        if length <= self.prompt_limit:
+        length = self.prompt_over_limit(prompt)
+        if length is None:
             return False
         skipped = len(self.admission.skipped) + 1
         if skipped <= 10 or skipped % 1000 == 0:  # a few lines, then a reminder now and then
-            log.warning("prompt %d skipped: %d tokens, over the limit of %d (task.max_prompt_tokens); "
-                        "%d skipped so far",
-                        prompt.id, length, self.prompt_limit, skipped)
+            log.warning("prompt %d skipped: %s, over the limit of %d tokens (task.max_prompt_tokens); "
+                        "%d skipped so far", prompt.id, length, self.prompt_limit, skipped)
         self._too_long_streak += 1
         return True
 

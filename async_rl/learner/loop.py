@@ -33,7 +33,7 @@ from async_rl.learner.batching import Batch, scatter_batch
 from async_rl.learner.step_data import StepData, describe
 from async_rl.learner.trainer import Trainer
 from async_rl.run.processes import peak_rss_mb
-from async_rl.run.status import EXIT_CONFIG, EXIT_NONFINITE, EXIT_REWARD_ERRORS, EXIT_STALLED
+from async_rl.run.status import EXIT_CONFIG, EXIT_NONFINITE, EXIT_REWARD_ERRORS, EXIT_STALLED, no_restarts
 
 log = logging.getLogger("async_rl.learner")
 POLL_S = 0.5  # how long rank 0 waits between the broadcasts that keep the other ranks with it
@@ -161,11 +161,15 @@ class Loop:
     # -- stop rules ---------------------------------------------------------------
     def halt_for_want_of_data(self, since: float) -> Stop | None:
         """Rank 0, waiting for a batch since `since`: a stop when no data can come, every
-        recent prompt being over the prompt limit (a config error), or the actors having
-        given nothing for learner.timeout_s. The run then ends like an interrupted one."""
+        recent prompt being over the prompt limit (a config error), no actor live with
+        none to be restarted, or the actors having given nothing for learner.timeout_s.
+        The run then ends like an interrupted one."""
         c, timeout, version = self.services.coordinator, self.cfg.learner.timeout_s, self.trainer.version
         halt = None
-        if c.too_long_in_a_row() >= SKIPS_IN_A_ROW:
+        if c.live_actors == 0 and (note := no_restarts(Path(self.cfg.run_dir))) is not None:
+            halt = Stop(EXIT_STALLED, f"stopped at step {version}: no actor is left ({note}); fix what stopped it "
+                        f"and --resume")
+        elif c.too_long_in_a_row() >= SKIPS_IN_A_ROW:
             halt = Stop(EXIT_CONFIG, f"the last {c.too_long_in_a_row()} prompts were all longer than the prompt "
                         f"limit of {self.services.prompt_limit} tokens: raise task.max_prompt_tokens (or lower "
                         f"actors.max_new_tokens, which the default limit leaves room for)")

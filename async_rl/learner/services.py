@@ -74,7 +74,7 @@ class Rank0Services:
         self.prompt_limit = prompt_limit(cfg.task.max_prompt_tokens, trainer.models.policy.config,
                                          cfg.actors.max_new_tokens)
         self.coordinator = Coordinator(cfg, self.task, self.sender, self.run_dir, trace=self.trace,
-                                       prompt_length=lambda prompt: len(lengths.encode(prompt)),
+                                       prompt_over_limit=lambda prompt: lengths.over_limit(prompt, self.prompt_limit),
                                        prompt_limit=self.prompt_limit)
         self.samples_total = 0
         self.last_eval: dict | None = None  # the newest evaluation line, for final/'s card

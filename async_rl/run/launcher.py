@@ -37,7 +37,7 @@ from async_rl.run.demo_model import ensure_demo_model
 from async_rl.run.directory import RunDir
 from async_rl.run.lock import RunLock
 from async_rl.run.processes import child_of
-from async_rl.run.status import LAUNCHER_ENV, write_status
+from async_rl.run.status import LAUNCHER_ENV, NO_RESTARTS_FILE, write_no_restarts, write_status
 
 log = logging.getLogger("async_rl.launch")
 GRACE_S = 30.0
@@ -83,7 +83,7 @@ def prepare_run_dir(cfg: Config, resuming: bool = False) -> Path:
     if (run_dir / "metrics.jsonl").exists() and not resuming:
         raise ConfigError(f"run_dir: {run_dir} already holds a run; choose another run_dir (or --resume it)")
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("endpoints.json", "status.json"):  # the launcher waits for a fresh endpoints.json
+    for stale in ("endpoints.json", "status.json", NO_RESTARTS_FILE):  # the launcher waits for a fresh endpoints.json
         (run_dir / stale).unlink(missing_ok=True)
     cfg.run_dir = str(run_dir)
     check_engine(cfg)
@@ -245,6 +245,7 @@ def _train(cfg: Config, resume: str | None) -> int:
     direct = runs_directly(cfg)
     actors: list[subprocess.Popen] = []
     restarts = 0
+    given_up: set[int] = set()
     stop_signal = 0
     failure = None
     server = ServerProcess.for_run(cfg, run_dir, _child_env(cfg.reward_server.threads), child_of(os.getpid()))
@@ -281,9 +282,16 @@ def _train(cfg: Config, resume: str | None) -> int:
                 # Exit 0 is an actor the hub said goodbye to; anything else died.
                 if actor.poll() not in (None, 0) and learner.poll() is None and not stop_signal:
                     if restarts >= cfg.actors.max_restarts:
+                        if i not in given_up:
+                            given_up.add(i)
+                            note = (f"actor-{i} {ended(actor)} and actors.max_restarts={cfg.actors.max_restarts} "
+                                    f"are used up; its log: {logs / f'actor-{i}.log'}")
+                            _say(f"{note}: not restarting it")
+                            with contextlib.suppress(OSError):  # the learner then waits out learner.timeout_s
+                                write_no_restarts(run_dir, note)
                         continue
                     restarts += 1
-                    _say(f"actor-{i} exited with status {actor.returncode}; restarting it ({restarts} of "
+                    _say(f"actor-{i} {ended(actor)}; restarting it ({restarts} of "
                          f"actors.max_restarts={cfg.actors.max_restarts}; its log: {logs / f'actor-{i}.log'})")
                     actors[i] = _spawn_actor(cfg, i, logs, hub=hub, env=actor_env)
         if stop_signal:
@@ -355,6 +363,12 @@ def runs_directly(cfg: Config) -> bool:
     """Whether the learner is one rank run as this process's child: torchrun's own
     interpreter and rendezvous would only add seconds to it."""
     return cfg.learner.ranks == 1
+
+
+def ended(proc: subprocess.Popen) -> str:
+    """How a process that ended did: `was killed by SIGKILL`, `exited with status 1`."""
+    code = proc.returncode
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
 
 def killed_or_failed(learner: subprocess.Popen) -> str:

@@ -38,8 +38,8 @@ def summary_lines(run_dir: Path) -> list[str]:
                       f"{max(s['staleness/max'] for s in steps)}, dropped {last['staleness/dropped']}"
                       + (f"; samples by staleness {histogram}" if counts else "")),
         ("off-policy", f"IS-weight ESS mean {_mean(ess):.3f}, min {min(ess):.3f}" if ess else "IS-weight ESS n/a"),
-        ("actors", f"{last['actors/live']} live at the end; {last['data/prompts_admitted']} prompts admitted, "
-                   f"{last['data/prompts_consumed']} consumed; {last['wire/rejected']} messages rejected"),
+        ("actors", f"{last['actors/live']} live at step {last['step']}; {last['data/prompts_admitted']} prompts "
+                   f"admitted, {last['data/prompts_consumed']} consumed; {last['wire/rejected']} messages rejected"),
     ]
     if last.get("memory/learner_peak_rss_gb"):
         actor = max(s.get("memory/actor_peak_rss_gb", 0) for s in steps)

@@ -14,6 +14,9 @@ results and the chat template's headers are context. An assistant turn that ends
 one of `actors.stop` (a tool call cut at `</calc>`) gets no stop token, as a sampled
 turn that stopped there has none, and the template's closing then comes with the next
 messages. Messages after the last assistant turn are dropped.
+
+With `max_tokens` (sft.max_tokens, where a conversation is cut) no text is tokenized
+past what that many tokens can hold: a 10 MB message costs a slice, not a tokenization.
 """
 from __future__ import annotations
 
@@ -97,10 +100,19 @@ def checked(row: Any, where: str, column: str) -> list[dict]:
 class Encoder:
     """Conversations -> Demonstrations for one model's prompt format."""
 
-    def __init__(self, prompt_format: PromptFormat, stop_id: int, stop_strings: Sequence[str] = ()):
+    def __init__(self, prompt_format: PromptFormat, stop_id: int, stop_strings: Sequence[str] = (),
+                 max_tokens: int | None = None):
         self.prompt_format, self.turns = prompt_format, TurnFormat(prompt_format)
         self.tokenizer, self.stop_id = prompt_format.tokenizer, stop_id
         self.stop_strings = [s for s in stop_strings if s]
+        self.max_tokens = max_tokens
+
+    def _room(self, ids: list[int]) -> int | None:
+        """How many characters can still matter: those that one more token than the
+        conversation can still take could stand for (None: no bound)."""
+        if self.max_tokens is None:
+            return None
+        return (max(0, self.max_tokens - len(ids)) + 1) * self.prompt_format.max_token_chars
 
     def encode(self, messages: list[dict]) -> Demonstration:
         first = next(k for k, m in enumerate(messages) if m["role"] == "assistant")
@@ -109,21 +121,26 @@ class Encoder:
         user_turns = [m for m in context if m["role"] != "system"]
         prompt = Prompt(id=0, text=user_turns[-1]["content"] if user_turns else context[-1]["content"], answer="",
                         messages=tuple((m["role"], m["content"]) for m in context))
-        ids = self.prompt_format.encode(prompt) if self.prompt_format.uses_chat else \
-            self.prompt_format.encode(Prompt(id=0, text="".join(m["content"] for m in context), answer=""))
+        if not self.prompt_format.uses_chat:
+            prompt = Prompt(id=0, text="".join(m["content"] for m in context), answer="")
+        ids = self.prompt_format.encode(prompt, self.prompt_format.render(prompt)[:self._room([])])
         trained = [False] * len(ids)
         stop: int | None = self.stop_id
         between: list[dict] = []
         for m in messages[first:last + 1]:
+            if self.max_tokens is not None and len(ids) > self.max_tokens:
+                break  # cut here anyway: the rest is never tokenized
             if m["role"] != "assistant":
                 between.append(m)
                 continue
             if between:
-                context_ids = self.turns.tokens(between, stop)
+                context_ids = self.turns.tokens(between, stop, max_chars=self._room(ids))
                 ids += context_ids
                 trained += [False] * len(context_ids)
                 between = []
-            reply = list(self.tokenizer(m["content"], add_special_tokens=False)["input_ids"])
+                if self.max_tokens is not None and len(ids) > self.max_tokens:
+                    break
+            reply = list(self.tokenizer(m["content"][:self._room(ids)], add_special_tokens=False)["input_ids"])
             cut = any(m["content"].endswith(s) for s in self.stop_strings)
             stop = None if cut else self.stop_id
             reply += [] if cut else [self.stop_id]

@@ -20,10 +20,20 @@ from async_rl.run.offline import OfflineCommand
 
 log = logging.getLogger("async_rl.sft")
 PROGRESS_EVERY_S = 15.0
+DEMONSTRATIONS_FILE = "demonstrations.msgpack"  # the encoded split, written by the launcher's check
 
 
 def demonstrations(cfg: Config):
-    """(the split demonstrations, the tokenizer): the same on every rank."""
+    """The demonstrations encoded and split, the same on every rank: read from the run
+    directory, where the launcher's check of the data left them (they are tokenized
+    once), else encoded here."""
+    from async_rl.sft.trainer import load_split
+
+    cached = Path(cfg.run_dir) / DEMONSTRATIONS_FILE if cfg.run_dir else None
+    return load_split(cached) if cached is not None and cached.exists() else encode_demonstrations(cfg)
+
+
+def encode_demonstrations(cfg: Config):
     from async_rl.models.loading import load_tokenizer
     from async_rl.sft.conversations import Encoder, read_conversations, stop_token
     from async_rl.sft.trainer import split_demonstrations
@@ -33,16 +43,17 @@ def demonstrations(cfg: Config):
     tokenizer = load_tokenizer(cfg.model.path)
     prompt_format = prompt_format_for(cfg.model.path, cfg.task, tokenizer)
     encoder = Encoder(prompt_format, stop_token(prompt_format, stop_token_ids(cfg.model.path, tokenizer)),
-                      cfg.actors.stop)
+                      cfg.actors.stop, max_tokens=sft.max_tokens)
     conversations = read_conversations(sft.data, sft.split, sft.messages_column)
     return split_demonstrations([encoder.encode(c) for c in conversations], sft.max_tokens, sft.eval_fraction,
-                                cfg.seed), tokenizer
+                                cfg.seed)
 
 
 def train(cfg: Config, device) -> None:
+    from async_rl.models.loading import load_tokenizer
     from async_rl.sft.trainer import SFTTrainer
 
-    split, tokenizer = demonstrations(cfg)
+    split, tokenizer = demonstrations(cfg), load_tokenizer(cfg.model.path)
     sft = cfg.sft
     steps_per_epoch = math.ceil(len(split.train) / sft.batch_size)
     total = sft.epochs * steps_per_epoch
@@ -82,7 +93,11 @@ def train(cfg: Config, device) -> None:
 
 
 def _count(cfg: Config) -> int:
-    split, _ = demonstrations(cfg)
+    """Encode and check the demonstrations, leaving them in the run directory for the ranks."""
+    from async_rl.sft.trainer import save_split
+
+    split = encode_demonstrations(cfg)
+    save_split(Path(cfg.run_dir) / DEMONSTRATIONS_FILE, split)
     return len(split.train)
 
 

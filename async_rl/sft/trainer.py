@@ -43,6 +43,27 @@ class Split:
     cut: int  # conversations longer than sft.max_tokens, cut there
 
 
+def save_split(path: Path, split: Split) -> None:
+    """The split as msgpack (ids and trained masks), written atomically."""
+    import msgspec
+
+    def rows(demos):
+        return [[d.ids, d.trained] for d in demos]
+
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(msgspec.msgpack.encode({"train": rows(split.train), "held_out": rows(split.held_out),
+                                            "cut": split.cut}))
+    tmp.replace(path)
+
+
+def load_split(path: Path) -> Split:
+    import msgspec
+
+    data = msgspec.msgpack.decode(path.read_bytes())
+    return Split([Demonstration(ids, trained) for ids, trained in data["train"]],
+                 [Demonstration(ids, trained) for ids, trained in data["held_out"]], data["cut"])
+
+
 def split_demonstrations(demos: Sequence[Demonstration], max_tokens: int, eval_fraction: float, seed: int) -> Split:
     """Cut each to max_tokens, drop those left with nothing to train, hold out a seeded
     `eval_fraction` (at least one conversation when the fraction is positive)."""

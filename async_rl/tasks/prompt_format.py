@@ -22,6 +22,7 @@ prompt-length check and the logged samples can never disagree:
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,12 +63,32 @@ class PromptFormat:
                              "(task.chat_template)")
         return prompt.text
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        text = self.render(prompt)
+    def encode(self, prompt: Prompt, text: str | None = None) -> list[int]:
+        """The prompt's token ids (`text`: its render, when already made)."""
+        text = self.render(prompt) if text is None else text
         ids = list(self.tokenizer(text, add_special_tokens=not self.uses_chat)["input_ids"])
         if self.bos_id is not None and ids[:2] == [self.bos_id, self.bos_id]:
             ids = ids[1:]  # the text began with BOS and the tokenizer added another
         return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: its longest vocabulary entry (a
+        byte-level token's bytes, a SentencePiece piece's characters). A text longer than
+        n times this cannot fit in n tokens, which is known without tokenizing it."""
+        return max(1, max(map(len, self.tokenizer.get_vocab()), default=1))
+
+    def over_limit(self, prompt: Prompt, limit: int | None) -> str | None:
+        """None when `prompt` encodes to at most `limit` tokens, else what makes it longer:
+        "N tokens", or "N characters" when its text alone rules it out (a 10 MB prompt is
+        never tokenized)."""
+        if limit is None:
+            return None
+        text = self.render(prompt)
+        if len(text) > limit * self.max_token_chars:
+            return f"{len(text)} characters (at most {self.max_token_chars} a token)"
+        tokens = len(self.encode(prompt, text))
+        return f"{tokens} tokens" if tokens > limit else None
 
     def response_text(self, tokens: Sequence[int]) -> str:
         """What a reward function scores: the response without special tokens."""

@@ -126,3 +126,42 @@ def test_actors_killed_and_started_during_a_run(tmp_path, demo_model):
         assert math.isfinite(s["loss/total"]), s
     assert "removed: its connection closed" in launcher_log  # reaped at once, not after the heartbeat timeout
     assert not survivors(pids), "orphan processes left behind"
+
+
+@pytest.mark.timeout(180)
+def test_the_run_goes_on_with_the_actors_left_and_ends_in_one_line_when_none_is(tmp_path, demo_model):
+    """actors.max_restarts used up: each actor not restarted is one line; the run goes on
+    while an actor is live, and stops (checkpoint, final/, exit 5) as soon as none is,
+    not after learner.timeout_s."""
+    run_dir = tmp_path / "exhausted"
+    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run_dir}",
+           f"model.path={demo_model}", "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4",
+           "task.eval_size=32", "eval.every=0", "train.max_steps=100000", "learner.ranks=1", "actors.count=2",
+           "actors.max_restarts=0", "learner.timeout_s=600"]
+    with open(tmp_path / "launcher.log", "wb") as err:
+        launcher = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=err)
+    run = Run(run_dir, launcher)
+    try:
+        run.wait("two training steps, both actors registered",
+                 lambda: RunDir(run_dir).last_step() >= 2 and len(actor_pids(run_dir)) == 2, timeout=120)
+        first, second = RunDir(run_dir).endpoints()["actors"]
+        os.kill(first["pid"], signal.SIGKILL)
+        run.wait_for_progress("after killing actor 0", live=1)
+        os.kill(second["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        launcher.wait(timeout=90)
+        stopped_in = time.monotonic() - killed
+    finally:
+        if launcher.poll() is None:
+            kill_tree(launcher)
+    log = (tmp_path / "launcher.log").read_text()
+    assert launcher.returncode == 5, log[-3000:]
+    assert stopped_in < 90 and "Traceback" not in log  # not learner.timeout_s (600 s)
+    for i in (0, 1):
+        assert (f"actor-{i} was killed by SIGKILL and actors.max_restarts=0 are used up; its log: "
+                f"{run_dir / 'logs' / f'actor-{i}.log'}: not restarting it") in log
+    status = RunDir(run_dir).status()
+    assert status["exit_code"] == 5 and status["reason"].startswith("stopped at step ")
+    assert "no actor is left (actor-1 was killed by SIGKILL and actors.max_restarts=0 are used up" in status["reason"]
+    assert status["reason"] in log
+    assert (run_dir / "final").is_dir()

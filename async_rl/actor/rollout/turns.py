@@ -69,7 +69,9 @@ class TurnFormat:
             self._closing
         return closing, bare[len(closing):]
 
-    def tokens(self, messages: Sequence[dict[str, str]], stop_token: int | None) -> list[int]:
-        """`text` as token ids (the template's special tokens as such, no BOS added)."""
+    def tokens(self, messages: Sequence[dict[str, str]], stop_token: int | None,
+               max_chars: int | None = None) -> list[int]:
+        """`text` as token ids (the template's special tokens as such, no BOS added); with
+        `max_chars`, of its first that many characters only."""
         stop_text = "" if stop_token is None else self.tokenizer.decode([stop_token], skip_special_tokens=False)
-        return list(self.tokenizer(self.text(messages, stop_text), add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(self.text(messages, stop_text)[:max_chars], add_special_tokens=False)["input_ids"])

@@ -280,13 +280,13 @@ def test_prompts_over_the_limit_are_skipped_and_later_slots_flow(tmp_path):
 
     task = make_task("arithmetic", seed=0)
 
-    def length(prompt):  # a stand-in tokenizer: answers divisible by 3 make long prompts
-        return 10 if int(prompt.answer) % 3 == 0 else 2
+    def over_limit(prompt):  # a stand-in tokenizer: answers divisible by 3 make long prompts
+        return "10 tokens" if int(prompt.answer) % 3 == 0 else None
 
-    long_ones = {i for i in range(8) if length(task.train_prompt(i)) > 5}
+    long_ones = {i for i in range(8) if over_limit(task.train_prompt(i))}
     assert 0 < len(long_ones) < 8
     with running_coordinator(tmp_path, {"train": {"batch_groups": 8, "group_size": 2}},
-                             prompt_length=length, prompt_limit=5) as (coord, ctx, _):
+                             prompt_over_limit=over_limit, prompt_limit=5) as (coord, ctx, _):
         sock = dealer(ctx, coord.hub_addr)
         welcome = ask(sock, Hello(actor_name="t", pid=1, host="h"))
         grant = ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=8))
@@ -352,7 +352,7 @@ def test_a_snapshot_is_not_changed_by_later_requests(tmp_path):
     from async_rl.run.checkpoints import check_partition
 
     with running_coordinator(tmp_path, {"train": {"batch_groups": 8, "group_size": 2}},
-                             prompt_length=lambda prompt: 10, prompt_limit=5) as (coord, ctx, _):
+                             prompt_over_limit=lambda prompt: "10 tokens", prompt_limit=5) as (coord, ctx, _):
         sock = dealer(ctx, coord.hub_addr)
         welcome = ask(sock, Hello(actor_name="t", pid=1, host="h"))
         assert isinstance(ask(sock, WorkRequest(actor_id=welcome.actor_id, version=0, max_groups=3)), Wait)

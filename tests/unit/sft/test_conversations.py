@@ -106,3 +106,40 @@ def test_a_dataset_file_is_read_through_datasets_with_its_column(tmp_path):
     with pytest.raises(ValueError, match=r"no column 'messages' .*it has chat, source"):
         read_conversations(tmp_path / "d.parquet")
 
+
+
+class CountingTokenizer:
+    """The chat tokenizer, counting the characters it is asked to tokenize."""
+
+    def __init__(self, inner):
+        self.inner, self.chars = inner, 0
+        self.chat_template, self.bos_token_id = inner.chat_template, inner.bos_token_id
+
+    def __call__(self, text, **options):
+        self.chars += len(text)
+        return self.inner(text, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("huge", [2, 3, 4])  # the huge message: the first reply, the tool's answer, the last reply
+def test_a_huge_message_is_sliced_to_what_max_tokens_can_hold_and_the_cut_is_the_same(chat, huge):
+    tokenizer, _ = chat
+    talk = [dict(m) for m in TOOL_TALK[:5]]
+    talk[huge]["content"] = "4 apples, " * 20_000  # 200 KB
+    counting = CountingTokenizer(tokenizer)
+    fmt = PromptFormat(counting, "auto")
+    max_tokens = 40
+    bounded = Encoder(fmt, IM_END, max_tokens=max_tokens).encode(talk)
+    assert counting.chars < 10 * max_tokens * fmt.max_token_chars < 200_000  # a slice of it
+    assert len(bounded.ids) > max_tokens  # still counted as cut
+    whole = Encoder(PromptFormat(tokenizer, "auto"), IM_END).encode(talk)
+    assert bounded.ids[:max_tokens] == whole.ids[:max_tokens]
+    assert bounded.trained[:max_tokens] == whole.trained[:max_tokens]
+
+
+def test_a_bound_that_is_not_reached_changes_nothing(chat):
+    tokenizer, fmt = chat
+    whole = Encoder(fmt, IM_END).encode(TOOL_TALK)
+    assert Encoder(fmt, IM_END, max_tokens=len(whole.ids)).encode(TOOL_TALK) == whole

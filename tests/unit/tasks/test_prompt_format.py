@@ -87,3 +87,42 @@ def test_prompt_limit_leaves_room_for_a_response():
     assert prompt_limit(None, Config(), 512) == 1536
     assert prompt_limit(100, Config(), 512) == 100
     assert prompt_limit(None, object(), 512) is None
+
+
+class CountingTokenizer:
+    """A tokenizer's face over another, counting the characters it is asked to tokenize."""
+
+    def __init__(self, inner):
+        self.inner, self.chars = inner, 0
+        self.chat_template, self.bos_token_id = inner.chat_template, inner.bos_token_id
+
+    def __call__(self, text, **options):
+        self.chars += len(text)
+        return self.inner(text, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_prompt_too_long_by_its_characters_is_never_tokenized():
+    fmt = PromptFormat(CountingTokenizer(build_chat_tokenizer()), "auto")
+    longest = fmt.max_token_chars
+    assert longest == max(len(token) for token in fmt.tokenizer.get_vocab())
+    limit = 64
+    huge = Prompt(0, "7 + 5? " * 2_000_000, "12")  # 14 MB
+    assert fmt.over_limit(huge, limit) == f"{len(fmt.render(huge))} characters (at most {longest} a token)"
+    assert fmt.tokenizer.chars == 0
+    short = Prompt(1, QUESTION, "12")
+    assert fmt.over_limit(short, limit) is None and fmt.tokenizer.chars == len(fmt.render(short))
+    tokens = len(fmt.encode(short))
+    assert fmt.over_limit(short, tokens) is None and fmt.over_limit(short, tokens - 1) == f"{tokens} tokens"
+    assert fmt.over_limit(huge, None) is None
+
+
+def test_the_character_bound_never_skips_a_prompt_that_fits():
+    """Any text of at most limit tokens is at most limit x max_token_chars characters."""
+    fmt = PromptFormat(build_chat_tokenizer(), False)
+    for text in ["a" * 500, " " * 300, "\n\n".join(["x"] * 100), "é" * 200, QUESTION * 20]:
+        prompt = Prompt(0, text, "")
+        tokens = len(fmt.encode(prompt))
+        assert fmt.over_limit(prompt, tokens) is None and len(fmt.render(prompt)) <= tokens * fmt.max_token_chars
