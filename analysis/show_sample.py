@@ -13,19 +13,22 @@ differs, with the run's own tokenizer and task:
                assistant's turn (less the stop token the policy sampled) and ends with
                the header of the next assistant turn;
   tokens       each environment turn's tokens are its text's tokens again (nothing was
-               re-tokenized across a turn's border).
+               re-tokenized across a turn's border);
+  known        no token of the prompt or an environment turn is the tokenizer's unknown
+               token: text the tokenizer cannot write reached the policy as <unk>.
 Exit status 1 when a check fails. `--step` picks the first sample of that step
-(default the last step dumped), `--index` the sample within it.
+(default the last step dumped), `--index` the sample within it. A damaged line of
+samples.jsonl is one line on stderr and skipped; a run directory without a readable
+config or model is one line, exit 2.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from async_rl.config import load_config
-from async_rl.run.samples import SAMPLES_FILE
+from async_rl.config import ConfigError, load_config
+from async_rl.run.samples import SAMPLES_FILE, read_samples
 
 
 def turns_of(mask: list[int]) -> list[tuple[str, int, int]]:
@@ -44,9 +47,11 @@ def pick(run: Path, step: int | None, index: int) -> dict:
     path = run / SAMPLES_FILE
     if not path.exists():
         raise SystemExit(f"show_sample: {path} does not exist (set metrics.samples_every)")
-    samples = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    samples, damaged = read_samples(path)
+    for note in damaged:
+        print(f"show_sample: {path} {note}; skipped", file=sys.stderr)
     if not samples:
-        raise SystemExit(f"show_sample: {path} is empty")
+        raise SystemExit(f"show_sample: {path} has no whole sample")
     step = samples[-1]["step"] if step is None else step
     at = [s for s in samples if s["step"] == step]
     if not at or index >= len(at):
@@ -76,15 +81,21 @@ def checks(sample: dict, run: Path) -> list[tuple[str, str]]:
     prompt_format = prompt_format_for(cfg.model.path, cfg.task)
     tokenizer = prompt_format.tokenizer
     results = []
-    prompt = PromptIndex(task_from_config(cfg.task, cfg.seed))[sample["prompt_id"]]
-    want = prompt_format.encode(prompt)
-    results.append(("prompt", "ok" if want == sample["prompt_ids"] else
+    try:
+        prompt = PromptIndex(task_from_config(cfg.task, cfg.seed))[sample["prompt_id"]]
+    except (IndexError, KeyError, ValueError):
+        prompt = None
+    want = prompt_format.encode(prompt) if prompt is not None else None
+    results.append(("prompt", f"the run's task has no prompt {sample['prompt_id']}" if want is None else
+                    "ok" if want == sample["prompt_ids"] else
                     f"the run's prompt format gives {len(want)} tokens, the sample has {len(sample['prompt_ids'])}: "
                     f"{tokenizer.decode(want, skip_special_tokens=False)!r}"))
     ids = sample["response_ids"]
     turns = [(who, a, b) for who, a, b in turns_of(sample["policy_mask"]) if who == "environment"]
+    unknown = unknown_tokens(tokenizer, sample["prompt_ids"], [ids[a:b] for _, a, b in turns])
     if not turns:
-        return [*results, ("turns", "single turn: nothing to check"), ("tokens", "single turn: nothing to check")]
+        return [*results, ("turns", "single turn: nothing to check"), ("tokens", "single turn: nothing to check"),
+                ("known", unknown)]
     turn_format = TurnFormat(prompt_format)
     problems, retokenized = [], []
     for _, a, b in turns:
@@ -102,7 +113,21 @@ def checks(sample: dict, run: Path) -> list[tuple[str, str]]:
     results.append(("turns", "ok" if not problems else "; ".join(problems)))
     results.append(("tokens", "ok" if not retokenized else
                     f"the environment turns at tokens {', '.join(retokenized)} tokenize differently from their text"))
+    results.append(("known", unknown))
     return results
+
+
+def unknown_tokens(tokenizer, prompt_ids: list[int], environment_turns: list[list[int]]) -> str:
+    """`ok`, or how many of the prompt's and the environment's tokens are the unknown
+    token (their text was not the text the policy saw)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return "ok"
+    in_prompt, in_turns = prompt_ids.count(unk), sum(turn.count(unk) for turn in environment_turns)
+    if not in_prompt and not in_turns:
+        return "ok"
+    return (f"{in_prompt} prompt and {in_turns} environment tokens are {tokenizer.unk_token!r}: the tokenizer cannot "
+            "write some of their text, and the policy saw the unknown token there")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,8 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     sample = pick(args.run, args.step, args.index)
     from async_rl.models.loading import load_tokenizer
 
-    cfg = load_config(args.run / "config.yaml")
-    print("\n".join(render(sample, load_tokenizer(cfg.model.path))))
+    try:
+        cfg = load_config(args.run / "config.yaml")
+        tokenizer = load_tokenizer(cfg.model.path)
+    except (ConfigError, OSError, ValueError) as err:
+        print(f"show_sample: {args.run}: cannot read its config or model ({str(err).splitlines()[0]})",
+              file=sys.stderr)
+        return 2
+    print("\n".join(render(sample, tokenizer)))
     if args.no_check:
         return 0
     results = checks(sample, args.run)

@@ -10,6 +10,25 @@ from pathlib import Path
 from async_rl.config import ConfigError, load_config
 
 
+def _actor_until_stopped(run_actor, hub: str, args) -> int:
+    """The actor until it leaves, or a stop signal (Ctrl-C, SIGTERM, SIGHUP): then its
+    goodbye (the hub re-issues its prompts at once) and one line, exit 128 + the signal."""
+    import signal
+
+    from async_rl.run.processes import STOP_SIGNALS, raise_interrupted
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, raise_interrupted)
+    try:
+        return run_actor(hub, args.name, args.keys, args.connect_timeout)
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", signal.SIGINT)
+        who = f"actor {args.name}" if args.name else "actor"
+        print(f"async-rl: {who} stopped ({signal.Signals(signum).name}); the hub re-issues its prompts",
+              file=sys.stderr, flush=True)
+        return 128 + signum
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="async-rl", description="Asynchronous off-policy RL fine-tuning of LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as err:
                 print(f"async-rl: actor: {err}", file=sys.stderr)
                 return 2
-        exit_now(run_actor(hub, args.name, args.keys, args.connect_timeout))  # the actor held gloo groups: see exit_now
+        exit_now(_actor_until_stopped(run_actor, hub, args))  # the actor held gloo groups: see exit_now
     try:
         if args.command == "eval":
             import json

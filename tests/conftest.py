@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(items):
     """Everything under tests/integration/ launches real processes: mark it, so that
     `-m "not integration"` (or `pytest tests/unit`) is the fast loop. A test marked
     `cuda(gpus=N)` skips, with the reason, where fewer than N CUDA devices are visible
-    (`-m cuda` selects them all: analysis/gpu_check.py); one marked `vllm` where vLLM
+    (`-m cuda` selects them all: benchmarks/gpu_check.py); one marked `vllm` where vLLM
     cannot be imported (`-m vllm` is the vLLM job)."""
     gpus = no_vllm = None
     for item in items:
@@ -319,14 +319,16 @@ def flip_one_bit(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def load_analysis(name: str):
-    """Import analysis/NAME.py (the scripts are not a package) under its own module
-    name: dataclasses look their module up, and scripts import their siblings by name."""
+def load_script(name: str):
+    """Import analysis/NAME.py or benchmarks/NAME.py (the scripts are not a package)
+    under its own module name: dataclasses look their module up, and scripts import
+    their siblings by name."""
     import importlib.util
 
-    if str(ROOT / "analysis") not in sys.path:
-        sys.path.insert(0, str(ROOT / "analysis"))  # as when the script runs
-    spec = importlib.util.spec_from_file_location(name, ROOT / "analysis" / f"{name}.py")
+    folder = next(ROOT / f for f in ("analysis", "benchmarks") if (ROOT / f / f"{name}.py").exists())
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))  # as when the script runs
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -399,3 +401,54 @@ def contained():
         return result
 
     return run
+
+
+def mounted_tmpfs(mount: Path, size: str):
+    """A real tmpfs of `size` at `mount` (needs root: the test is skipped without)."""
+    import subprocess
+
+    mount.mkdir(parents=True, exist_ok=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    return mount
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 256 KiB file system (tmpfs; needs root), unmounted afterwards."""
+    import subprocess
+
+    yield mounted_tmpfs(tmp_path / "disk", "256k")
+    subprocess.run(["umount", str(tmp_path / "disk")], check=True)
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A real file system with no byte left (a 64 KiB tmpfs, filled), unmounted afterwards."""
+    import subprocess
+
+    mount = mounted_tmpfs(tmp_path / "full", "64k")
+    with open(mount / "filler", "wb", buffering=0) as out:
+        try:
+            while out.write(b"\0" * 4096):
+                pass
+        except OSError:  # ENOSPC: full
+            pass
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+class CountingTokenizer:
+    """A tokenizer's face over another, counting the characters it is asked to tokenize."""
+
+    def __init__(self, inner):
+        self.inner, self.chars = inner, 0
+        self.chat_template, self.bos_token_id = inner.chat_template, inner.bos_token_id
+
+    def __call__(self, text, **options):
+        self.chars += len(text)
+        return self.inner(text, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)

@@ -75,6 +75,7 @@ class BandCorrection(Section):
 
 class SequenceMaskCorrection(BandCorrection):
     name: Literal["sequence_mask"] = "sequence_mask"
+    weight: Literal["one", "ratio"] = Field("one", description="A kept response's weight: 1, or its sequence ratio exp(S) (TRL's `sequence_mask`).")
 
 
 class GeometricMaskCorrection(BandCorrection):
@@ -99,6 +100,7 @@ class KLRejectCorrection(Section):
     estimator: Literal["k1", "k3"] = Field("k3", description="Estimate of KL(behavior || proximal) per token.")
     level: Literal["token", "sequence"] = Field("sequence", description="Mask each token, or each response by its tokens' mean estimate.")
     threshold: float = Field(0.01, gt=0.0, description="Largest estimate kept.")
+    weight: Literal["one", "ratio"] = Field("one", description="A kept token's weight: 1 (verl), or its ratio r_t (AReaL).")
 
 
 class GroupAdvantage(Section):

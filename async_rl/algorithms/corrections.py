@@ -125,10 +125,19 @@ def truncated_sequence_is(log_ratio: torch.Tensor, mask: torch.Tensor, cap: floa
     return Correction(torch.where(m, _per_token(weight, m), 0.0), m, m & _per_token(log_weight > math.log(cap), m))
 
 
-def sequence_mask(log_ratio: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> Correction:
-    """A response kept (weight 1) only if low <= exp(S) <= high."""
+def sequence_mask(log_ratio: torch.Tensor, mask: torch.Tensor, low: float, high: float,
+                  weight: str = "one") -> Correction:
+    """A response kept only if low <= exp(S) <= high, weighted 1 (verl, SkyRL) or, with
+    weight `ratio`, exp(S) on each of its tokens (TRL's `sequence_mask`: at most `high`)."""
     m = mask.bool()
-    return _kept(m & _per_token(_within(sequence_log_ratio(log_ratio, mask), low, high), m))
+    log_weight = sequence_log_ratio(log_ratio, mask)
+    keep = m & _per_token(_within(log_weight, low, high), m)
+    if weight == "one":
+        return _kept(keep)
+    if weight == "ratio":
+        return Correction(torch.where(keep, _per_token(torch.exp(log_weight.clamp(max=math.log(high))), m), 0.0),
+                          keep, torch.zeros_like(keep))
+    raise ValueError(f"unknown weight {weight!r}; expected one or ratio")
 
 
 def geometric_mask(log_ratio: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> Correction:
@@ -164,9 +173,10 @@ def m2po(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> Corre
 
 
 def kl_rejection(log_ratio: torch.Tensor, mask: torch.Tensor, estimator: str, level: str,
-                 threshold: float) -> Correction:
+                 threshold: float, weight: str = "one") -> Correction:
     """Mask tokens (level `token`) or responses (`sequence`, their tokens' mean) whose
-    estimate of KL(behavior || proximal) exceeds `threshold`; k1 is bounded on both sides."""
+    estimate of KL(behavior || proximal) exceeds `threshold`; k1 is bounded on both sides.
+    A kept token weighs 1 (verl), or with weight `ratio` its r_t (AReaL)."""
     if threshold <= 0:
         raise ValueError(f"threshold must be > 0, got {threshold}")
     m = mask.bool()
@@ -182,7 +192,12 @@ def kl_rejection(log_ratio: torch.Tensor, mask: torch.Tensor, estimator: str, le
     elif level != "token":
         raise ValueError(f"unknown level {level!r}; expected token or sequence")
     bounded = estimate.abs() if estimator == "k1" else estimate
-    return _kept(m & (bounded <= threshold))
+    keep = m & (bounded <= threshold)
+    if weight == "one":
+        return _kept(keep)
+    if weight == "ratio":
+        return _kept_at_ratio(keep, d)
+    raise ValueError(f"unknown weight {weight!r}; expected one or ratio")
 
 
 def masked_shares(correction: Correction, mask: torch.Tensor) -> tuple[float, float]:
@@ -203,11 +218,11 @@ CORRECTIONS: dict[str, Callable[[Any, torch.Tensor, torch.Tensor], Correction]] 
     "token": lambda c, d, m: token_is(d, m, c.cap, c.mode),
     "none": lambda c, d, m: no_correction(d, m),
     "sequence_is": lambda c, d, m: truncated_sequence_is(d, m, c.cap),
-    "sequence_mask": lambda c, d, m: sequence_mask(d, m, c.low, c.high),
+    "sequence_mask": lambda c, d, m: sequence_mask(d, m, c.low, c.high, c.weight),
     "geometric_mask": lambda c, d, m: geometric_mask(d, m, c.low, c.high),
     "icepop": lambda c, d, m: icepop(d, m, c.low, c.high),
     "m2po": lambda c, d, m: m2po(d, m, c.threshold),
-    "kl_reject": lambda c, d, m: kl_rejection(d, m, c.estimator, c.level, c.threshold),
+    "kl_reject": lambda c, d, m: kl_rejection(d, m, c.estimator, c.level, c.threshold, c.weight),
 }
 
 

@@ -55,6 +55,7 @@ class Loop:
         self.rank0 = trainer.rank == 0
         self.spans = services.spans
         self.halt: Stop | None = None  # rank 0: a stop for want of data
+        self.no_actor_since: float | None = None  # rank 0: since when no actor is live, none to be restarted
         self.compile_reported = False
 
     def run(self) -> Stop:
@@ -161,12 +162,18 @@ class Loop:
     # -- stop rules ---------------------------------------------------------------
     def halt_for_want_of_data(self, since: float) -> Stop | None:
         """Rank 0, waiting for a batch since `since`: a stop when no data can come, every
-        recent prompt being over the prompt limit (a config error), no actor live with
-        none to be restarted, or the actors having given nothing for learner.timeout_s.
+        recent prompt being over the prompt limit (a config error), no actor live for
+        actors.heartbeat_timeout_s with none to be restarted, or the actors having given
+        nothing for learner.timeout_s.
         The run then ends like an interrupted one."""
         c, timeout, version = self.services.coordinator, self.cfg.learner.timeout_s, self.trainer.version
         halt = None
-        if c.live_actors == 0 and (note := no_restarts(Path(self.cfg.run_dir))) is not None:
+        note = no_restarts(Path(self.cfg.run_dir)) if c.live_actors == 0 else None
+        if note is None:
+            self.no_actor_since = None
+        elif self.no_actor_since is None:  # an actor between removal and registering again is not gone yet
+            self.no_actor_since = time.monotonic()
+        if note is not None and time.monotonic() - self.no_actor_since > self.cfg.actors.heartbeat_timeout_s:
             halt = Stop(EXIT_STALLED, f"stopped at step {version}: no actor is left ({note}); fix what stopped it "
                         f"and --resume")
         elif c.too_long_in_a_row() >= SKIPS_IN_A_ROW:

@@ -28,6 +28,7 @@ from async_rl.learner.loop import Loop
 from async_rl.learner.services import Followers, Rank0Services
 from async_rl.learner.trainer import Trainer
 from async_rl.models.loading import quiet_libraries
+from async_rl.run.disk import DiskFull, release_room
 from async_rl.run.lock import RunLock
 from async_rl.run.processes import die_with_parent
 from async_rl.run.status import EXIT_CONFIG, LAUNCHER_ENV, write_status
@@ -62,10 +63,12 @@ def _fail(cfg: Config, rank: int, err: Exception) -> int:
     and, without a launcher to report it, on the console."""
     import traceback
 
+    release_room(Path(cfg.run_dir))  # what a full disk left no room for: the error log and status.json
     logs = Path(cfg.run_dir) / "logs"
     where = logs / f"learner-rank{rank}.err"
     text = str(err).splitlines()[0] if str(err) else ""
-    reason = f"learner rank {rank}: {type(err).__name__}: {text}"[:500]
+    kind = "" if isinstance(err, DiskFull) else f"{type(err).__name__}: "  # its message says what it is
+    reason = f"learner rank {rank}: {kind}{text}"[:500]
     try:
         logs.mkdir(parents=True, exist_ok=True)
         where.write_text(reason + "\n\n" + "".join(traceback.format_exception(err)))

@@ -27,6 +27,7 @@ from async_rl.learner.precision import actors_dtype
 from async_rl.learner.step_data import StepData, measure_step
 from async_rl.learner.trainer import Trainer, drain
 from async_rl.lora.adapters import save_lora_final
+from async_rl.run.disk import release_room, reserve_room, writing
 from async_rl.run.metrics import MetricsLogger
 from async_rl.run.model_card import CARD_FILE, MASTER_DIR, card_text
 from async_rl.run.tracing import SpanRecorder, TraceWriter
@@ -54,6 +55,7 @@ class Rank0Services:
     def __init__(self, cfg: Config, trainer: Trainer, resumed: dict | None = None, checkpoint: Path | None = None):
         """`resumed`: the state of `checkpoint`, the run continues from."""
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        reserve_room(self.run_dir)  # for the last words of a run that fills its disk (run/disk.py)
         self.prompt_format = prompt_format_for(cfg.model.path, cfg.task)  # for the samples shown in TensorBoard
         self.task = task_from_config(cfg.task, cfg.seed)
         self.health = RunHealth(cfg.metrics.warn_after_steps, self.prompt_format.uses_chat, cfg.actors.max_new_tokens,
@@ -206,12 +208,14 @@ class Rank0Services:
         def write(params) -> None:
             masters = [(name, t.detach().cpu()) for name, t in params]
             for out, as_dtype in targets:
-                if cfg.model.lora.rank:
-                    cast = [(name, t.to(as_dtype or t.dtype)) for name, t in masters]
-                    save_lora_final(cast, cfg.model.lora, path, tokenizer, out)
-                else:
-                    save_hf_model(masters, path, tokenizer, out, dtype=as_dtype)
-            (self.run_dir / "final" / CARD_FILE).write_text(card)
+                with writing("the final model", out):
+                    if cfg.model.lora.rank:
+                        cast = [(name, t.to(as_dtype or t.dtype)) for name, t in masters]
+                        save_lora_final(cast, cfg.model.lora, path, tokenizer, out)
+                    else:
+                        save_hf_model(masters, path, tokenizer, out, dtype=as_dtype)
+            with writing("the final model", self.run_dir / "final"):
+                (self.run_dir / "final" / CARD_FILE).write_text(card)
 
         return write
 
@@ -234,6 +238,7 @@ class Rank0Services:
         self.sender.close(wait_s=1.0)
         self.metrics.close()
         self.trace.write()  # again: the actors' last spans came with their goodbyes
+        release_room(self.run_dir)
 
 
 class Followers:

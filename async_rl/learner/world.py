@@ -24,8 +24,10 @@ from async_rl.run.status import write_status
 TORCHRUN_LOG = "torchrun.log"
 
 
-def _error_file(logs: Path, rank: int) -> Path:
-    return logs / f"learner-rank{rank}.err"
+def _error_file(logs: Path, rank: int) -> Path | None:
+    """Where rank `rank` wrote its failure (learner-rankN.err; sft-rankN.err, rm-rankN.err
+    when the world trains offline: run/offline.py)."""
+    return next(iter(sorted(logs.glob(f"*-rank{rank}.err"))), None)
 
 
 def root_cause(failures: dict, logs: Path) -> str:
@@ -36,7 +38,7 @@ def root_cause(failures: dict, logs: Path) -> str:
     if killed:
         f = failures[killed[0]]
         return f"learner rank {killed[0]} (pid {f.pid}) was killed by {f.signal_name()}"
-    written = {r: _error_file(logs, r) for r in failures if _error_file(logs, r).exists()}
+    written = {r: path for r in failures if (path := _error_file(logs, r)) is not None}
     if written:
         rank = min(written, key=lambda r: written[r].stat().st_mtime_ns)
         reason = written[rank].read_text(errors="replace").splitlines()[0]

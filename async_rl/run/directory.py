@@ -18,6 +18,10 @@
       logs/ tb/        process logs; TensorBoard events
       base_model/      the demo model a run with model.path=demo starts from
       analysis/        figures written by the analysis scripts
+      evaluator/       versions for the evaluator and its results (evaluator/versions.py)
+      reserved-room    64 KiB set aside while the learner runs, for the last words of a
+                       run that fills its disk (run/disk.py)
+      actors_not_restarted.json   the last local actor not restarted (run/status.py)
 
 Every reader is a snapshot of a directory a live run may still be writing: the files
 written by rename (status, endpoints, trace) are whole or absent, and metrics.jsonl may

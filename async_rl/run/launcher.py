@@ -36,7 +36,7 @@ from async_rl.run.checks import check_engine, check_lora, check_task
 from async_rl.run.demo_model import ensure_demo_model
 from async_rl.run.directory import RunDir
 from async_rl.run.lock import RunLock
-from async_rl.run.processes import child_of
+from async_rl.run.processes import STOP_SIGNALS, child_of
 from async_rl.run.status import LAUNCHER_ENV, NO_RESTARTS_FILE, write_no_restarts, write_status
 
 log = logging.getLogger("async_rl.launch")
@@ -179,9 +179,6 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _say(text: str) -> None:

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from async_rl.run.directory import RunDir
+from async_rl.run.disk import quiet_disk_full_in_threads, writing
 from async_rl.run.samples import SAMPLES_FILE, truncate_samples
 
 # Keys every step line carries (the run directory contract, docs/observability.md); tests check them against this list.
@@ -134,10 +135,14 @@ class MetricsLogger:
             RunDir(run_dir).truncate_metrics(resume_step)
             truncate_samples(run_dir, resume_step)
         self._samples_path = Path(run_dir) / SAMPLES_FILE
-        self._file = open(RunDir(run_dir).metrics_path, "a", buffering=1)
-        # purge_step hides the stopped run's TensorBoard events after the checkpoint.
-        self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
-        self._tb.add_custom_scalars(CUSTOM_SCALARS)
+        self._metrics_path, self._tb_dir = RunDir(run_dir).metrics_path, Path(run_dir) / "tb"
+        quiet_disk_full_in_threads()  # TensorBoard's writer thread: its error comes back through our calls
+        with writing("metrics", self._metrics_path):
+            self._file = open(self._metrics_path, "a", buffering=1)
+        with writing("TensorBoard events in", self._tb_dir):
+            # purge_step hides the stopped run's TensorBoard events after the checkpoint.
+            self._tb = SummaryWriter(log_dir=str(self._tb_dir), purge_step=resume_step + 1 if resume_step else None)
+            self._tb.add_custom_scalars(CUSTOM_SCALARS)
         # A bar on a terminal; in a log file, where a bar's redraws run into one line with
         # whatever else is written, a plain line every PROGRESS_EVERY_S instead.
         self._bar = tqdm(total=total_steps, initial=resume_step, desc="train", unit="step", dynamic_ncols=True,
@@ -157,21 +162,23 @@ class MetricsLogger:
         `histograms` (tag -> values) and `texts` (tag -> markdown): TensorBoard only;
         `samples`: lines of samples.jsonl (run/samples.py)."""
         if samples:
-            with open(self._samples_path, "a") as out:
+            with writing("samples", self._samples_path), open(self._samples_path, "a") as out:
                 out.write("".join(json.dumps(sample) + "\n" for sample in samples))
         record = {"time": round(self.elapsed(), 3), **record}
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._file.write(json.dumps(clean) + "\n")
+        with writing("metrics", self._metrics_path):
+            self._file.write(json.dumps(clean) + "\n")
         step = int(record["step"])
-        for key, value in record.items():
-            if key not in ("step", "time") and isinstance(value, (int, float)) and value is not None:
-                self._tb.add_scalar(key, value, step)
-        for tag, values in (histograms or {}).items():
-            values = np.asarray(values, dtype=np.float64).reshape(-1)
-            if values.size:  # TensorBoard refuses an empty histogram
-                self._tb.add_histogram(tag, values, step)
-        for tag, text in (texts or {}).items():
-            self._tb.add_text(tag, text, step)
+        with writing("TensorBoard events in", self._tb_dir):
+            for key, value in record.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)) and value is not None:
+                    self._tb.add_scalar(key, value, step)
+            for tag, values in (histograms or {}).items():
+                values = np.asarray(values, dtype=np.float64).reshape(-1)
+                if values.size:  # TensorBoard refuses an empty histogram
+                    self._tb.add_histogram(tag, values, step)
+            for tag, text in (texts or {}).items():
+                self._tb.add_text(tag, text, step)
         if "eval/accuracy" in record:
             self._last_eval = record["eval/accuracy"]
             self._bar.write(f"step {step:4d}  eval accuracy {record['eval/accuracy']:.3f}")
@@ -190,6 +197,10 @@ class MetricsLogger:
     def close(self) -> None:
         self._logging.__exit__(None, None, None)
         self._bar.close()
-        self._tb.flush()
-        self._tb.close()
-        self._file.close()
+        try:
+            with writing("TensorBoard events in", self._tb_dir):
+                self._tb.flush()
+                self._tb.close()
+        finally:
+            with writing("metrics", self._metrics_path):
+                self._file.close()

@@ -4,9 +4,11 @@ rm`), from the command line to the written model, one way for both.
 The launch locks a new run directory and checks the model and the data first, so that
 bad data is one line and exit 2 before any process starts; then one rank trains in this
 process, or `learner.ranks` ranks under torchrun (`python -m MODULE RUN/config.yaml`
-each). A rank's failure is one line on the console and its traceback in
+each, in a session of their own, torchrun's report in RUN/logs/torchrun.log:
+learner/world.py). A rank's failure is one line on the console and its traceback in
 RUN/logs/NAME-rankN.err (exit 1); Ctrl-C, SIGTERM or SIGHUP stop every rank with one
-line (exit 130): minutes of work and no checkpoint, so nothing is kept but the metrics.
+line and exit 128 + the signal (130, 143, 129), as `async-rl train` does: minutes of
+work and no checkpoint, so nothing is kept but the metrics.
 """
 from __future__ import annotations
 
@@ -17,14 +19,15 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 from async_rl.config import Config, ConfigError, load_config, to_yaml
 from async_rl.config.loading import resolve_run_dir
 from async_rl.run.lock import RunLock
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+from async_rl.run.processes import STOP_SIGNALS, Interrupted, raise_interrupted
+from async_rl.run.status import LAUNCHER_ENV
 
 
 @dataclass(frozen=True)
@@ -89,15 +92,16 @@ def launch(cfg: Config, command: OfflineCommand) -> int:
     run_dir, lock = prepare(cfg, command)
     # Set here, not inherited: a shell starts background jobs with SIGINT ignored, and
     # Python then never turns Ctrl-C (or a kill) into KeyboardInterrupt.
-    handlers = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
+    handlers = {s: signal.signal(s, raise_interrupted) for s in STOP_SIGNALS}
     try:
         print(f"async-rl: run directory {run_dir}", file=sys.stderr, flush=True)
         try:
             status = rank_main(cfg, command) if cfg.learner.ranks == 1 else _torchrun(cfg, run_dir, command)
-        except KeyboardInterrupt:
-            print(f"async-rl: {command.name} interrupted; no model written (the run's metrics are in {run_dir})",
-                  file=sys.stderr, flush=True)
-            return 130
+        except KeyboardInterrupt as err:
+            signum = getattr(err, "signum", signal.SIGINT)
+            print(f"async-rl: {command.name} interrupted ({signal.Signals(signum).name}); no model written (the "
+                  f"run's metrics are in {run_dir})", file=sys.stderr, flush=True)
+            return 128 + signum
         if status == 0:
             print(f"async-rl: {command.done(cfg)}", file=sys.stderr, flush=True)
         return status
@@ -107,37 +111,66 @@ def launch(cfg: Config, command: OfflineCommand) -> int:
         lock.release()
 
 
-def _interrupt(signum, _frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def _torchrun(cfg: Config, run_dir: Path, command: OfflineCommand) -> int:
-    """learner.ranks ranks under torchrun; interrupted, they are stopped with it."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.learner.threads), PYTHONUNBUFFERED="1")
-    world = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+    """learner.ranks ranks under torchrun, in a session of their own (a terminal's Ctrl-C
+    reaches this process alone); interrupted, the ranks are told to stop and torchrun,
+    its ranks all ended, ends without a report."""
+    from async_rl.run.processes import process_tree
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.learner.threads), PYTHONUNBUFFERED="1", **{LAUNCHER_ENV: "1"})
+    world = subprocess.Popen([sys.executable, "-m", "async_rl.learner.world", str(run_dir), "--standalone",
                               f"--nproc-per-node={cfg.learner.ranks}", "-m", command.module,
-                              str(run_dir / "config.yaml")], env=env)
+                              str(run_dir / "config.yaml")], env=env, start_new_session=True)
     try:
-        return world.wait()
+        status = world.wait()
+        if status:  # the ranks left their lines to us (LAUNCHER_ENV)
+            print(f"async-rl: {_world_failure(run_dir, command)} (tracebacks in {run_dir / 'logs'})",
+                  file=sys.stderr, flush=True)
+        return status
     except KeyboardInterrupt:
-        world.terminate()  # torchrun passes it on to the ranks
+        for pid in process_tree(world.pid)[1:]:  # the ranks (torchrun runs in `world` itself)
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
         try:
             world.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            world.kill()
+            os.killpg(world.pid, signal.SIGKILL)
+            world.wait()
         raise
 
 
+def _world_failure(run_dir: Path, command: OfflineCommand) -> str:
+    """The reason learner/world.py recorded for a failed world (its root cause)."""
+    from async_rl.run.directory import RunDir
+
+    status = RunDir(run_dir).status()
+    return status["reason"] if status else f"{command.name} failed; torchrun's report: {run_dir}/logs/torchrun.log"
+
+
 def rank_main_from_argv(command: OfflineCommand, argv: list[str] | None = None) -> int:
-    """A torchrun rank: python -m MODULE RUN/config.yaml."""
+    """A torchrun rank: python -m MODULE RUN/config.yaml. A stop signal ends it quietly,
+    exit 0 (the launcher says it was interrupted): its peers, stopped too, may break a
+    collective under it first, which is no failure either."""
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    return rank_main(load_config(argv[0]), command)
+    stopped: list[int] = []
+
+    def stop(signum, _frame):
+        stopped.append(signum)
+        raise Interrupted(signum)
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, stop)
+    try:
+        return rank_main(load_config(argv[0]), command, stopping=lambda: bool(stopped))
+    except KeyboardInterrupt:
+        return 0
 
 
-def rank_main(cfg: Config, command: OfflineCommand) -> int:
+def rank_main(cfg: Config, command: OfflineCommand, stopping: Callable[[], bool] = lambda: False) -> int:
     """Join the world (of one without torchrun), train, write the model. A failure is
-    one line on the console and its traceback in RUN/logs/NAME-rankN.err; exit 1."""
+    one line on the console and its traceback in RUN/logs/NAME-rankN.err; exit 1 (when
+    not `stopping`: a rank told to stop ends quietly, exit 0)."""
     import torch.distributed as dist
 
     from async_rl.learner.process import join_world
@@ -155,8 +188,11 @@ def rank_main(cfg: Config, command: OfflineCommand) -> int:
             dist.destroy_process_group()
         return 0
     except Exception as err:
+        if stopping():
+            return 0
         reason = f"{command.name} rank {rank}: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:500]
         where = logs / f"{command.name}-rank{rank}.err"
         where.write_text(reason + "\n\n" + "".join(traceback.format_exception(err)))
-        print(f"async-rl: {reason} (traceback in {where})", file=sys.stderr, flush=True)
+        if not os.environ.get(LAUNCHER_ENV):  # under the launcher's torchrun, it says the root cause once
+            print(f"async-rl: {reason} (traceback in {where})", file=sys.stderr, flush=True)
         return 1

@@ -3,8 +3,25 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # a stop asked for: exit 128 + the signal
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal, raised as KeyboardInterrupt (what every `except KeyboardInterrupt`
+    expects), with the signal that asked for it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_interrupted(signum, _frame) -> None:
+    """A signal handler: the stop as Interrupted, in the main thread."""
+    raise Interrupted(signum)
 
 
 def peak_rss_mb() -> float:

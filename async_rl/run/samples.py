@@ -17,9 +17,44 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 SAMPLES_FILE = "samples.jsonl"
+
+
+class SampleLine(msgspec.Struct):
+    """What a reader needs of a samples.jsonl line (the other keys are kept as written)."""
+    step: int
+    prompt_id: int
+    sample: int
+    actor_id: int
+    version: int
+    reward: float
+    truncated: bool
+    prompt_ids: list[int]
+    response_ids: list[int]
+    policy_mask: list[int]
+    token_versions: list[int]
+    prompt_text: str
+
+
+def read_samples(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the lines of `path` that are whole samples, as dicts; one note per line that is
+    not: its number and what is wrong with it)."""
+    rows, damaged = [], []
+    for number, raw in enumerate(Path(path).read_bytes().splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = msgspec.json.decode(raw, type=SampleLine)
+            if not len(line.response_ids) == len(line.policy_mask) == len(line.token_versions):
+                raise ValueError("response_ids, policy_mask and token_versions differ in length")
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as err:
+            damaged.append(f"line {number}: {str(err).splitlines()[0]}")
+            continue
+        rows.append(msgspec.structs.asdict(line))
+    return rows, damaged
 
 
 def sample_records(groups: Sequence[Any], prompt_format, step: int, count: int) -> list[dict[str, Any]]:

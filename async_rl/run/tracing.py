@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from async_rl.run.disk import writing
+
 log = logging.getLogger("async_rl.run.tracing")
 
 # Span names, per role.
@@ -211,8 +213,9 @@ class TraceWriter:
         """Atomically (tmp + rename): a reader, or a run killed while writing, never
         sees half a file."""
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.document(), separators=(",", ":")))
-        os.replace(tmp, self.path)
+        with writing("the trace", self.path):
+            tmp.write_text(json.dumps(self.document(), separators=(",", ":")))
+            os.replace(tmp, self.path)
 
     def _load_existing(self) -> None:
         try:

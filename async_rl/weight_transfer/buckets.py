@@ -78,7 +78,7 @@ def plan_buckets(specs: Iterable[Spec], bucket_bytes: int) -> list[Bucket]:
 
 # The sender sends bucket i while publish copies bucket i+1, so the copy of the
 # first bucket is the one cost nothing hides. A model of one or two `sync.bucket_mb`
-# buckets would pay most of its copy unhidden (analysis/bench_sync.py measures it); it
+# buckets would pay most of its copy unhidden (benchmarks/bench_sync.py measures it); it
 # gets smaller buckets instead, at least PIPELINE_BUCKETS of them, none under
 # MIN_PIPELINE_BUCKET_BYTES (below that a collective's fixed cost outweighs the overlap).
 PIPELINE_BUCKETS = 4

@@ -1,7 +1,7 @@
 """The CUDA-IPC transport, for an actor on the learner's own GPU (NCCL refuses two
 ranks on one device, so such an actor cannot join an NCCL group).
 
-Its tests need CUDA (they skip elsewhere); the GPU check (analysis/gpu_check.py) runs
+Its tests need CUDA (they skip elsewhere); the GPU check (benchmarks/gpu_check.py) runs
 them, and measures the sync, on one H100 and one H200 (docs/scale.md).
 
 Rank 0 exports each bucket set's storage once per run (`UntypedStorage._share_cuda_()`,

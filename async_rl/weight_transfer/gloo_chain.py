@@ -11,7 +11,7 @@ misses the acknowledgement.
 Why not gloo's broadcast per bucket: it is a binomial tree and is not pipelined. Rank
 0 writes every byte once per child, all from one thread, and on loopback that thread
 is the bottleneck. In a chain every process writes each byte at most once, and the
-writes run in parallel (analysis/bench_sync.py; docs/scale.md has the figures).
+writes run in parallel (benchmarks/bench_sync.py; docs/scale.md has the figures).
 
 The price is pipeline fill: the last member starts (world - 2) bucket times after the
 first. `chained` takes the chain only when that costs less than the tree's extra writes

@@ -128,7 +128,7 @@ class WeightSender:
         # older one's fingerprint while the newer one goes out (all_arrived: never further behind).
         self._sending: deque[int] = deque(maxlen=2)
         self.last_fingerprint_s = 0.0  # what writing the last version's fingerprint took publish
-        self.group = None  # the current epoch's group, for analysis/bench_sync.py's reference broadcasts
+        self.group = None  # the current epoch's group, for benchmarks/bench_sync.py's reference broadcasts
         self._members: tuple[int, ...] = ()
         self._epoch = 0  # the membership epoch the next broadcast goes to
         self._job: SyncJob | None = None
@@ -328,7 +328,7 @@ class Epoch:
 
     @property
     def group(self) -> Any:
-        """The first transport's communication group (analysis/bench_sync.py times
+        """The first transport's communication group (benchmarks/bench_sync.py times
         reference broadcasts on it); None where it has none."""
         return self.senders[0].group if self.senders else None
 

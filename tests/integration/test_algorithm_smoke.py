@@ -1,6 +1,6 @@
 """The demo trains with every loss / correction / advantage / regularizer choice: real processes
 (learner ranks, actors, ZeroMQ, weight sync), two small steps each. Learning itself is
-measured by analysis/staleness_sweep.py; here every step must be finite, complete and
+measured by benchmarks/staleness_sweep.py; here every step must be finite, complete and
 carry the diagnostics of the chosen algorithm."""
 import math
 

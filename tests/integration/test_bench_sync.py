@@ -1,4 +1,4 @@
-"""analysis/bench_sync.py as a script: a tiny model, one receiver, a few repetitions.
+"""benchmarks/bench_sync.py as a script: a tiny model, one receiver, a few repetitions.
 Checks the JSON it prints is complete and self-consistent, not how fast anything is."""
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 from conftest import ROOT, subprocess_env
 
-SCRIPT = ROOT / "analysis/bench_sync.py"
+SCRIPT = ROOT / "benchmarks/bench_sync.py"
 
 
 def test_bench_sync_prints_consistent_json():
@@ -46,9 +46,9 @@ def test_bench_sync_across_rate_limited_nodes(tmp_path):
     root only), every link at 200 Mbit/s: no mode can beat the time the payload takes on
     one link, so the rate limit and the nodes' addresses were really in the path."""
     import pytest
-    from conftest import load_analysis
+    from conftest import load_script
 
-    reason = load_analysis("netns_bed").Bed.unavailable()
+    reason = load_script("netns_bed").Bed.unavailable()
     if reason:
         pytest.skip(reason)
     proc = subprocess.run([sys.executable, str(SCRIPT), "--sizes-mb", "4", "--receivers", "2", "--reps", "2",

@@ -1,4 +1,4 @@
-"""analysis/chaos.py on a short real run: a minute and a half of the demo, shrunk, under
+"""benchmarks/chaos.py on a short real run: a minute and a half of the demo, shrunk, under
 an actor killed, an actor stopped and continued, and the learner killed and resumed.
 Every whole-run check must pass and the table must list each fault. The long run, its
 baseline and its figures are in docs/faults.md."""
@@ -20,7 +20,7 @@ def test_a_short_chaos_run_passes_every_check(tmp_path, demo_model):
     # The fixture's barely trained model scores no reward, so it learns nothing and its
     # held-out accuracy stays 0 (measured over 1700 steps): given as the baseline, it
     # stands in for the undisturbed run, which would double the test's time.
-    cmd = [sys.executable, str(ROOT / "analysis/chaos.py"), "--minutes", "1.5", "--seed", "0", "--faults", "3",
+    cmd = [sys.executable, str(ROOT / "benchmarks/chaos.py"), "--minutes", "1.5", "--seed", "0", "--faults", "3",
            "--kinds", *KINDS, "--baseline", "0", "0.05", "--model", str(demo_model), "--out", str(tmp_path),
            "--memory-every", "1", "--set", *TINY]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=subprocess_env())

@@ -137,7 +137,7 @@ def test_the_run_goes_on_with_the_actors_left_and_ends_in_one_line_when_none_is(
     cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run_dir}",
            f"model.path={demo_model}", "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4",
            "task.eval_size=32", "eval.every=0", "train.max_steps=100000", "learner.ranks=1", "actors.count=2",
-           "actors.max_restarts=0", "learner.timeout_s=600"]
+           "actors.max_restarts=0", "actors.heartbeat_timeout_s=3", "learner.timeout_s=600"]
     with open(tmp_path / "launcher.log", "wb") as err:
         launcher = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=err)
     run = Run(run_dir, launcher)
@@ -162,6 +162,36 @@ def test_the_run_goes_on_with_the_actors_left_and_ends_in_one_line_when_none_is(
                 f"{run_dir / 'logs' / f'actor-{i}.log'}: not restarting it") in log
     status = RunDir(run_dir).status()
     assert status["exit_code"] == 5 and status["reason"].startswith("stopped at step ")
-    assert "no actor is left (actor-1 was killed by SIGKILL and actors.max_restarts=0 are used up" in status["reason"]
+    # the launcher's last note when the learner looked: actor-1's, or actor-0's if that one came first
+    assert "no actor is left (actor-" in status["reason"] and "actors.max_restarts=0 are used up" in status["reason"]
     assert status["reason"] in log
     assert (run_dir / "final").is_dir()
+
+
+@pytest.mark.timeout(180)
+def test_a_hand_started_actor_stopped_with_ctrl_c_says_so_in_one_line(tmp_path, demo_model):
+    run_dir = tmp_path / "hand"
+    cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run_dir}",
+           f"model.path={demo_model}", "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4",
+           "task.eval_size=32", "eval.every=0", "train.max_steps=100000", "learner.ranks=1", "actors.count=1"]
+    with open(tmp_path / "launcher.log", "wb") as err:
+        launcher = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=err)
+    run = Run(run_dir, launcher)
+    hand = None
+    try:
+        run.wait("two steps", lambda: RunDir(run_dir).last_step() >= 2, timeout=120)
+        hand, log = start_actor(run_dir, "hand", "-m", "async_rl.cli", "actor", "--name", "mine")
+        run.wait("the hand-started actor's first sync", lambda: "synced to version" in log.read_text())
+        hand.send_signal(signal.SIGINT)
+        hand.wait(timeout=60)
+        run.wait_for_progress("after it left", live=1)
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(timeout=90)
+    finally:
+        for proc in (launcher, hand):
+            if proc is not None and proc.poll() is None:
+                kill_tree(proc)
+    said = log.read_text()
+    assert hand.returncode == 130, said[-3000:]
+    assert "Traceback" not in said and "KeyboardInterrupt" not in said, said[-3000:]
+    assert said.strip().splitlines()[-1] == "async-rl: actor mine stopped (SIGINT); the hub re-issues its prompts"

@@ -1,4 +1,4 @@
-"""analysis/fault_drill.py on a tiny real run: its hostile-traffic fuzzer and its
+"""benchmarks/fault_drill.py on a tiny real run: its hostile-traffic fuzzer and its
 kill-the-whole-job-then-resume orchestration (the kill-actor path is the same as
 tests/integration/test_elastic_actors.py). The full-size drill, with its accuracy
 target, is in docs/faults.md."""
@@ -16,7 +16,7 @@ TINY = ["train.batch_groups=8", "train.group_size=4", "actors.groups_per_request
 
 
 def run_drill(tmp_path, demo_model, scenario: str, *args: str) -> dict:
-    cmd = [sys.executable, str(ROOT / "analysis/fault_drill.py"), "--scenarios", scenario,
+    cmd = [sys.executable, str(ROOT / "benchmarks/fault_drill.py"), "--scenarios", scenario,
            "--out", str(tmp_path), "--model", str(demo_model), "--target", "0", "--timeout", "90", *args,
            "--set", *TINY]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=subprocess_env())

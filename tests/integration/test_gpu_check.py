@@ -1,4 +1,4 @@
-"""analysis/gpu_check.py --dry-run: every section of the GPU check runs on the CPU at toy
+"""benchmarks/gpu_check.py --dry-run: every section of the GPU check runs on the CPU at toy
 sizes and the report is whole (its figures mean nothing here; on a GPU machine the
 same command without --dry-run is the check docs/scale.md describes)."""
 import json
@@ -13,9 +13,8 @@ SECTIONS = {"ceilings", "tests", "ipc_sync", "learner", "async_run"}
 
 @pytest.mark.extended
 def test_dry_run_checks_its_own_plumbing(tmp_path):
-    proc = subprocess.run([sys.executable, "analysis/gpu_check.py", "--dry-run", "--jobs", "3", "--out", str(tmp_path)],
-                          cwd=ROOT,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=150)
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--jobs", "3", "--out",
+                           str(tmp_path)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + (tmp_path / "gpu_check.log").read_text()[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = report["sections"]
@@ -33,6 +32,6 @@ def test_dry_run_checks_its_own_plumbing(tmp_path):
 
 
 def test_refuses_to_run_for_real_without_a_gpu(tmp_path):
-    proc = subprocess.run([sys.executable, "analysis/gpu_check.py", "--out", str(tmp_path)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", str(tmp_path)], cwd=ROOT,
                           env=subprocess_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no CUDA device is visible" in proc.stderr

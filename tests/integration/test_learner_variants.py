@@ -82,7 +82,7 @@ def test_bf16_mixed_precision_keeps_fp32_master_weights(runs):
 
 
 def test_bench_learner_tiny_prints_schema():
-    proc = subprocess.run([sys.executable, str(ROOT / "analysis/bench_learner.py"), "--tiny", "--cpu", "--ranks", "2",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_learner.py"), "--tiny", "--cpu", "--ranks", "2",
                            "--steps", "1", "--warmup", "0", "--variants", "padded,packed+ac", "--attention", "eager"],
                           capture_output=True, text=True, timeout=60, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -124,7 +124,7 @@ def assert_same_run(a: dict, b: dict) -> None:
 
 
 def test_step_flops_by_hand():
-    sys.path.insert(0, str(ROOT / "analysis"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_learner import step_flops
 
     tied = SimpleNamespace(vocab_size=10, hidden_size=4, num_hidden_layers=2, tie_word_embeddings=True)

@@ -1,7 +1,7 @@
 """LoRA end to end: `async-rl train` with model.lora on a tiny chat model (real actors,
 wire, FSDP2 learner): only the adapters travel (sync/bytes), final/ is a peft adapter
 that loads on the base, a target the model lacks is one line before anything starts,
-and analysis/bench_generate.py's LoRA variants."""
+and benchmarks/bench_generate.py's LoRA variants."""
 import json
 import subprocess
 import sys
@@ -60,7 +60,7 @@ def test_a_target_the_model_lacks_is_one_line(tmp_path, chat_model):
 def test_bench_generate_times_the_engine_with_folded_and_unmerged_adapters(tmp_path, chat_model):
     config = tmp_path / "config.yaml"
     config.write_text((ROOT / "configs/smollm2.yaml").read_text().replace("models/smollm2-135m", str(chat_model)))
-    proc = subprocess.run([sys.executable, str(ROOT / "analysis/bench_generate.py"), "--config", str(config),
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_generate.py"), "--config", str(config),
                            "--variants", "torch:float32:lora4,torch:float32:lora4-unmerged",
                            "--calls", "2", "--prompts", "2", "--n", "2", "--max-new-tokens", "4"],
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)

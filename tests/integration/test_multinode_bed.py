@@ -1,5 +1,5 @@
 """Several nodes for real: each node is its own network namespace with its own address
-(analysis/netns_bed.py), two learner nodes of one rank each (launch/learner.sh, torchrun
+(benchmarks/netns_bed.py), two learner nodes of one rank each (launch/learner.sh, torchrun
 across them), one actor node (launch/actors.sh, 2 actors), CURVE on. The demo trains
 to its accuracy over the namespaces' links, and every port is reached at, and bound
 to, a node's own address. Skipped, with the reason, where the machine refuses network
@@ -9,11 +9,11 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, kill_tree, load_analysis, read_metrics, subprocess_env
+from conftest import ROOT, kill_tree, load_script, read_metrics, subprocess_env
 
 from async_rl.run.directory import RunDir
 
-netns_bed = load_analysis("netns_bed")
+netns_bed = load_script("netns_bed")
 
 
 @pytest.fixture(scope="module")

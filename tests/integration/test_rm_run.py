@@ -112,7 +112,7 @@ def test_ctrl_c_stops_at_once_in_one_line_and_writes_no_model(chat_model, tmp_pa
     finally:
         proc.kill()
     assert proc.returncode == 130, err[-2000:]
-    assert err.strip().splitlines()[-1].startswith("async-rl: rm interrupted; no model written"), err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("async-rl: rm interrupted (SIGINT); no model written"), err[-2000:]
     assert not (tmp_path / "run" / "model").exists()
 
 

@@ -3,6 +3,7 @@ hundred demonstrations teach a tiny random chat model a format, and `async-rl tr
 starts from the model it writes; two ranks train as one; LoRA writes the adapter and the
 merged model; bad demonstrations are one line, exit 2."""
 import json
+import os
 import random
 import re
 import signal
@@ -118,18 +119,26 @@ def test_bad_demonstrations_are_one_line_and_exit_2(chat_model, tmp_path, data, 
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_ctrl_c_stops_at_once_in_one_line_and_writes_no_model(chat_model, tmp_path):
+@pytest.mark.parametrize(("ranks", "stop"), [(1, signal.SIGINT), (2, signal.SIGINT), (2, signal.SIGTERM),
+                                             (1, signal.SIGHUP)])
+def test_a_stop_ends_every_rank_in_one_line_and_writes_no_model(chat_model, tmp_path, ranks, stop):
+    """Ctrl-C at a terminal (SIGINT to the launcher's whole process group), SIGTERM or
+    SIGHUP: one line, exit 128 + the signal as `async-rl train`, no traceback from a rank
+    or torchrun."""
     demos = write_demos(tmp_path / "demos.jsonl", 300)
     cmd = [sys.executable, "-m", "async_rl.cli", "sft", str(ROOT / "configs/demo.yaml"), f"run_dir={tmp_path / 'run'}",
-           f"model.path={chat_model}", "learner.threads=1", f"sft.data={demos}", "sft.epochs=200"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+           f"model.path={chat_model}", "learner.threads=1", f"learner.ranks={ranks}", f"sft.data={demos}",
+           "sft.epochs=200"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=subprocess_env(), start_new_session=True)
     try:
         assert wait_for(lambda: sft_losses(tmp_path / "run") if (tmp_path / "run" / "metrics.jsonl").exists()
-                        else False, timeout=60)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+                        else False, timeout=90)
+        os.killpg(proc.pid, stop)  # as a terminal does: to every process of the launcher's group
+        _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 130, err[-2000:]
-    assert err.strip().splitlines()[-1].startswith("async-rl: sft interrupted; no model written"), err[-2000:]
+    assert proc.returncode == 128 + stop, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(f"async-rl: sft interrupted ({stop.name}); no model written")
+    for noise in ("Traceback", "KeyboardInterrupt", "SignalException", "Error"):
+        assert noise not in err, err[-3000:]
     assert not (tmp_path / "run" / "model").exists()

@@ -1,4 +1,4 @@
-"""analysis/simulate.py's calibration on four small real
+"""benchmarks/simulate.py's calibration on four small real
 runs (1 and 2 actors x max_staleness 0 and 4): predicted samples/s within 20% of
 measured, mean staleness within 20% or a quarter of the bound.
 
@@ -14,14 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import load_analysis, subprocess_env, train
+from conftest import load_script, subprocess_env, train
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "analysis/simulate.py"
+SCRIPT = ROOT / "benchmarks/simulate.py"
 pytestmark = pytest.mark.extended
 
 
-sim = load_analysis("simulate")
+sim = load_script("simulate")
 RUNS = {(1, 0), (1, 4), (2, 0), (2, 4)}
 TINY = ("train.batch_groups=16", "actors.groups_per_request=8", "eval.every=0", "train.max_steps=60",
         "learner.ranks=1")

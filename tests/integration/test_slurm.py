@@ -1,7 +1,7 @@
 """launch/slurm.sbatch under a real Slurm: a controller (slurmctld), node daemons (slurmd)
 and munge, started here with their own configuration, key, ports and state in a
 temporary directory. On this one node, the job runs the learner and actor steps side by
-side; on a bed of three nodes (network namespaces, analysis/netns_bed.py), one slurmd
+side; on a bed of three nodes (network namespaces, benchmarks/netns_bed.py), one slurmd
 per node, the learner spans two nodes and the actors run on the third, as one
 allocation or as a heterogeneous job. Skipped, with the reason, where Slurm is not
 installed (Debian: slurmctld slurmd slurm-client munge), its daemons cannot start (they
@@ -15,11 +15,11 @@ import subprocess
 import time
 
 import pytest
-from conftest import ROOT, load_analysis, read_metrics, subprocess_env
+from conftest import ROOT, load_script, read_metrics, subprocess_env
 
 from async_rl.run.directory import RunDir
 
-netns_bed = load_analysis("netns_bed")
+netns_bed = load_script("netns_bed")
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")
 
 

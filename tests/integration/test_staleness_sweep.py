@@ -1,4 +1,4 @@
-"""analysis/staleness_sweep.py: its CLI, a tiny real sweep (4 runs of 2 steps), resuming it, and --report-only.
+"""benchmarks/staleness_sweep.py: its CLI, a tiny real sweep (4 runs of 2 steps), resuming it, and --report-only.
 
 A tiny run still costs ~12-20 s of process startup on 2 cores, so the 2 x 2 sweep is
 made in two tests of 2 runs each: the second repeats the full command on the same
@@ -15,7 +15,7 @@ import pytest
 from conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "analysis/staleness_sweep.py"
+SCRIPT = ROOT / "benchmarks/staleness_sweep.py"
 TINY = ["--set", "train.batch_groups=8", "--set", "train.group_size=4", "--set", "actors.groups_per_request=4",
         "--set", "task.eval_size=32", "--set", "eval.every=1", "--set", "learner.ranks=1", "--target", "0.0",
         "--steps", "2", "--staleness", "0", "2"]

@@ -71,6 +71,18 @@ def test_sequence_mask_keeps_responses_whose_product_is_in_bounds() -> None:
     assert c.weights.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
 
 
+def test_a_kept_response_weighs_its_sequence_ratio_as_trls_sequence_mask() -> None:
+    """TRL's sequence_mask: exp(S) inside [low, high], 0 outside (grpo_trainer.py,
+    vllm_importance_sampling_mode)."""
+    c = sequence_mask(LOG_RATIO, MASK, low=0.4, high=5.0, weight="ratio")  # exp(S) = 4 and 1/2: both kept
+    assert_values(c.weights, [[4.0, 4.0, 0.0], [0.5, 0.5, 0.0]])
+    assert not c.truncated.any()
+    c = sequence_mask(LOG_RATIO, MASK, low=0.4, high=2.0, weight="ratio")
+    assert_values(c.weights, [[0.0, 0.0, 0.0], [0.5, 0.5, 0.0]])
+    with pytest.raises(ValueError, match="weight"):
+        sequence_mask(LOG_RATIO, MASK, low=0.4, high=2.0, weight="clip")
+
+
 def test_geometric_mask_reads_the_per_token_mean() -> None:
     assert geometric_mask(LOG_RATIO, MASK, low=0.75, high=1.5).keep.tolist() == [[False] * 3, [False] * 3]
     assert geometric_mask(LOG_RATIO, MASK, low=0.7, high=2.0).keep.tolist() == [[True, True, False],
@@ -125,6 +137,16 @@ def test_kl_rejection_by_token_and_by_response() -> None:
     assert kl_rejection(d, mask, "k1", "sequence", 0.35).keep.all()
     with pytest.raises(ValueError, match="estimator"):
         kl_rejection(d, mask, "k2", "token", 0.1)
+
+
+def test_kl_rejection_keeps_the_ratio_on_kept_tokens_as_areal_does() -> None:
+    d = torch.tensor([[math.log(2.0), 0.0], [math.log(0.9), 0.0]], dtype=torch.float64)
+    mask = torch.ones(2, 2)
+    c = kl_rejection(d, mask, "k3", "token", 0.31, weight="ratio")  # k3 of r = 2: 0.3069, kept
+    assert_values(c.weights, [[2.0, 1.0], [0.9, 1.0]])
+    c = kl_rejection(d, mask, "k3", "token", 0.3, weight="ratio")
+    assert_values(c.weights, [[0.0, 1.0], [0.9, 1.0]])
+    assert_values(kl_rejection(d, mask, "k3", "token", 0.31).weights, [[1.0, 1.0], [1.0, 1.0]])  # verl: 1
 
 
 def test_correct_reads_the_config_and_clamps_each_log_ratio_first() -> None:

@@ -240,20 +240,6 @@ def test_nothing_is_renamed_when_no_checkpoint_is_intact(tmp_path, world):
     assert warnings == [] and len(complete_checkpoints(tmp_path / "checkpoints")) == 2
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 256 KiB file system (tmpfs; needs root), unmounted afterwards."""
-    import subprocess
-
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 def test_a_full_disk_is_one_line_naming_the_checkpoint_and_nothing_is_committed(small_disk):
     """DCP's own error is a BaseException carrying every rank's traceback: the learner
     gets a CheckpointError (an Exception) of one line naming the checkpoint and the cause."""

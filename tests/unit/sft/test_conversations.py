@@ -4,7 +4,7 @@ trained, tool calls cut at a stop string without a stop token, bad rows one line
 import json
 
 import pytest
-from conftest import build_chat_tokenizer
+from conftest import CountingTokenizer, build_chat_tokenizer
 
 from async_rl.models.demo import build_tokenizer
 from async_rl.sft.conversations import Encoder, read_conversations, stop_token
@@ -106,21 +106,6 @@ def test_a_dataset_file_is_read_through_datasets_with_its_column(tmp_path):
     with pytest.raises(ValueError, match=r"no column 'messages' .*it has chat, source"):
         read_conversations(tmp_path / "d.parquet")
 
-
-
-class CountingTokenizer:
-    """The chat tokenizer, counting the characters it is asked to tokenize."""
-
-    def __init__(self, inner):
-        self.inner, self.chars = inner, 0
-        self.chat_template, self.bos_token_id = inner.chat_template, inner.bos_token_id
-
-    def __call__(self, text, **options):
-        self.chars += len(text)
-        return self.inner(text, **options)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 @pytest.mark.parametrize("huge", [2, 3, 4])  # the huge message: the first reply, the tool's answer, the last reply

@@ -2,7 +2,7 @@
 import json
 
 import pytest
-from conftest import build_chat_tokenizer
+from conftest import CountingTokenizer, build_chat_tokenizer
 
 from async_rl.tasks import Prompt
 from async_rl.tasks.prompt_format import CUT_MARK, PromptFormat, prompt_limit, stop_token_ids
@@ -87,21 +87,6 @@ def test_prompt_limit_leaves_room_for_a_response():
     assert prompt_limit(None, Config(), 512) == 1536
     assert prompt_limit(100, Config(), 512) == 100
     assert prompt_limit(None, object(), 512) is None
-
-
-class CountingTokenizer:
-    """A tokenizer's face over another, counting the characters it is asked to tokenize."""
-
-    def __init__(self, inner):
-        self.inner, self.chars = inner, 0
-        self.chat_template, self.bos_token_id = inner.chat_template, inner.bos_token_id
-
-    def __call__(self, text, **options):
-        self.chars += len(text)
-        return self.inner(text, **options)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 def test_a_prompt_too_long_by_its_characters_is_never_tokenized():
