@@ -95,12 +95,16 @@ def test_hostile_programs_in_a_run_are_contained_counted_and_the_run_goes_on(tmp
         assert set(called) == set(programs)  # every program ran at least once
         timeouts = sum(s.get("reward/errors_timeout", 0) for s in steps + evals)
         assert timeouts > 0 and any(s["reward/unscorable_frac"] > 0 for s in steps)
-        scored = dict(json.loads(line) for line in Path(str(state) + ".scored").read_text().splitlines())
-        for name in ("memory_hog", "output_flood", "endless_loop"):  # stopped by a limit: no test passes
-            assert scored.get(name, 0.0) == 0.0, (name, scored)
+        scored: dict[str, list[float]] = {}
+        for line in Path(str(state) + ".scored").read_text().splitlines():
+            name, score = json.loads(line)
+            scored.setdefault(name, []).append(score)
+        for name in ("memory_hog", "output_flood", "endless_loop"):  # stopped by a limit: no test passes, ever
+            assert max(scored.get(name, [0.0])) == 0.0, (name, scored)
         if isolated:  # without namespaces the program runs as this user, reads and writes as it does
-            for name in ("read_outside", "socket", "write_outside", "daemon"):  # they finish, contained
-                assert scored.get(name) == 1.0, (name, scored)
+            # They finish, contained: at least once (a call may also meet reward.timeout_s on a loaded machine).
+            for name in ("read_outside", "socket", "write_outside", "daemon"):
+                assert max(scored.get(name, [0.0])) == 1.0, (name, scored)
             assert not canary.exists()
         for _ in range(100):  # the last killed call's processes may take a moment to go
             if not sandboxed_processes():
