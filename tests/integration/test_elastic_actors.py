@@ -137,7 +137,9 @@ def test_the_run_goes_on_with_the_actors_left_and_ends_in_one_line_when_none_is(
     cmd = [sys.executable, "-m", "async_rl.cli", "train", str(ROOT / "configs/demo.yaml"), f"run_dir={run_dir}",
            f"model.path={demo_model}", "train.batch_groups=8", "train.group_size=4", "actors.groups_per_request=4",
            "task.eval_size=32", "eval.every=0", "train.max_steps=100000", "learner.ranks=1", "actors.count=2",
-           "actors.max_restarts=0", "actors.heartbeat_timeout_s=3", "learner.timeout_s=600"]
+           "actors.max_restarts=0", "actors.heartbeat_timeout_s=3", "learner.timeout_s=600",
+           "sync.timeout_s=8",  # the survivor may sit downstream of the killed actor in a broadcast: bounded
+           "transport.timeout_s=10"]
     with open(tmp_path / "launcher.log", "wb") as err:
         launcher = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=err)
     run = Run(run_dir, launcher)
