@@ -173,7 +173,7 @@ class Chaos:
         record["what"] = f"SIGKILL {victim['name']} (pid {victim['pid']})"
         record["restarted_after_s"] = round(self.wait(f"{victim['name']} restarted", lambda: any(
             a["name"] == victim["name"] and a["pid"] != victim["pid"] for a in self.actors()), REJOIN_S), 1)
-        if f"{victim['name']} exited with status -9; restarting it" not in self.log_text():
+        if f"{victim['name']} was killed by SIGKILL; restarting it" not in self.log_text():
             fail(record, "the launcher did not say it restarted the actor")
         return began, began, began
 
