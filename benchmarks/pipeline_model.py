@@ -7,8 +7,9 @@ The model (one heapq of (time, seq, callback) events):
   else a grant of min(groups_per_request, admission_limit - admitted) groups
   (async_rl/staleness.py, the rule coordinator/admission.py enforces; v = the actor's
   weight version), else Wait: sleep 0.02 s, ask again. n granted groups take
-  n * (gen + overhead) seconds and reach the buffer together. A request costs
-  `request_seconds`.
+  n * (gen + overhead) seconds and are pushed together; the learner sees them
+  `delivery_seconds` later (the hub's receive, the buffer, the learner thread's
+  wake-up), while the actor asks again at once. A request costs `request_seconds`.
 - Learner (learner/loop.py): takes groups B*k .. B*k+B-1 (admission order) once all
   have arrived (that wait is its idle time), trains `step_seconds`, version += 1, every
   sync.every steps gathers `sync_seconds` and publishes, logs the step, then spends
@@ -55,6 +56,7 @@ class Params:
     gen_seconds_per_group: list[float] = field(default_factory=lambda: [0.002])  # cycled over actors
     overhead_seconds_per_group: float = 0.0
     request_seconds: float = 0.0003
+    delivery_seconds: float = 0.0
     step_seconds: float = 0.03
     log_seconds: float = 0.0
     sync_seconds: float = 0.002
@@ -141,9 +143,15 @@ class Sim:
         self.at(self.now + seconds, self.delivered, a, range(first, first + n), v)
 
     def delivered(self, a: int, indices: range, version: int) -> None:
+        self.request(a)
+        if self.p.delivery_seconds > 0:
+            self.at(self.now + self.p.delivery_seconds, self.arrived, indices, version)
+        else:
+            self.arrived(indices, version)
+
+    def arrived(self, indices: range, version: int) -> None:
         for i in indices:
             self.buffer[i] = version
-        self.request(a)
         if self.waiting_since is not None:
             self.take()
 

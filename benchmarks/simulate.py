@@ -19,9 +19,13 @@ prediction from means alone ("stationary_*", what the sweep uses) is reported to
 RUN/trace.json, also: `overhead` = actor time outside the generate, wait-for-admission and
 sync spans per group (scoring, encoding, pushing, round trips); `log_seconds` = learner
 time from a step's sync to the next wait-for-data; `broadcast_seconds` = per version the
-shortest of the actors' sync spans (the last to join: the transfer), replayed. Without
-it, overhead and log_seconds are 0 and the transfer time is fitted to make the model's
-sync/broadcast_seconds (joins + transfer) the measured.
+shortest of the actors' sync spans (the last to join: the transfer), replayed; the
+generation time per group from the actors' generate spans (the engine's clock, which
+metrics.jsonl reports, leaves out the prompts' and results' handling: the per-version
+series is rescaled to the spans' mean); `delivery_seconds` = from the push that
+completes a batch to the end of the learner's wait for it. Without it, overhead,
+log_seconds and delivery_seconds are 0 and the transfer time is fitted to make the
+model's sync/broadcast_seconds (joins + transfer) the measured.
 
 Assumptions and limits:
 - Generation time is linear in a batch's groups (measured at the run's groups_per_request).
@@ -87,7 +91,7 @@ def trace_rates(run, skip: int) -> dict:
     lo, hi = steps[skip].start_s, steps[-1].start_s + steps[-1].dur_s
     gaps = [b.start_s - a.start_s - a.dur_s for a, b in zip(learner, learner[1:])
             if a.start_s >= lo and b.name == "wait-for-data" and a.name in ("train-step", "sync")]
-    other = groups = 0.0
+    other = groups = generating = 0.0
     for track in {s.track for s in syncs}:
         spans = [s for s in run.spans(track) if s.start_s >= lo and s.start_s + s.dur_s <= hi]
         if spans:
@@ -95,6 +99,7 @@ def trace_rates(run, skip: int) -> dict:
                 sum(s.dur_s for s in spans if s.name in ("generate", "wait-for-admission")) - \
                 sum(s.dur_s for s in _outside_generate(spans, "sync"))
             groups += sum(s.args.get("groups", 0) for s in spans if s.name == "generate")
+            generating += sum(s.dur_s for s in spans if s.name == "generate")
     # The members of a broadcast finish together (coupled, pipeline_model.py): an earlier
     # joiner's span holds its wait for the last, whose own span is the transfer alone.
     by_version: dict[int, list[float]] = {}
@@ -106,7 +111,28 @@ def trace_rates(run, skip: int) -> dict:
     return {"overhead_seconds_per_group": max(0.0, other / groups) if groups else 0.0,
             "log_seconds": max(0.0, statistics.mean(gaps)) if gaps else 0.0,
             "broadcast_seconds": statistics.mean(durations), "broadcast_cv": _cv(durations),
-            "sync_replay": transfer}
+            "sync_replay": transfer, "generate_span_seconds_per_group": generating / groups if groups else None}
+
+
+def delivery_seconds(run, skip: int) -> float | None:
+    """Median time from the push that completes a batch to the learner's end of waiting
+    for it (the hub's receive, the buffer and the learner thread's wake-up; the median:
+    a wait that a push ends only by chance, such as an evaluation's, is far longer). None
+    without a trace or a wait in the window."""
+    learner = sorted(run.spans("learner"), key=lambda s: s.start_s)
+    steps = [s for s in learner if s.name == "train-step"]
+    # From the push's start: its span can end after the learner has woken (the sending
+    # thread shares the GIL with generation).
+    pushed = sorted(s.start_s for s in run.spans("actor") if s.name == "push")
+    if len(steps) <= skip + 1 or not pushed:
+        return None
+    gaps = []
+    for wait in (s for s in learner if s.name == "wait-for-data" and s.start_s >= steps[skip].start_s):
+        end = wait.start_s + wait.dur_s
+        last = bisect.bisect_right(pushed, end) - 1  # the last push begun before the learner woke
+        if last >= 0 and pushed[last] >= wait.start_s:
+            gaps.append(end - pushed[last])
+    return statistics.median(gaps) if gaps else None
 
 
 def measure_run(run_dir: Path, skip: int | None = None, use_trace: bool = True) -> tuple[Params, dict]:
@@ -118,6 +144,9 @@ def measure_run(run_dir: Path, skip: int | None = None, use_trace: bool = True) 
     ev, ck = cfg["eval"]["every"], cfg["checkpoint"]["every"]
     paused = {v for v in range(1, K) if (ev and v % ev == 0) or (ck and v % ck == 0)}
     traced = trace_rates(run, skip) if use_trace else {}
+    span_gen = traced.pop("generate_span_seconds_per_group", None)
+    if traced and (delivery := delivery_seconds(run, skip)) is not None:
+        traced["delivery_seconds"] = delivery
     log, busy, gen_at = [], {}, {}
     for s in steps:
         interval = B * G / s["throughput/samples_per_s"]
@@ -147,6 +176,10 @@ def measure_run(run_dir: Path, skip: int | None = None, use_trace: bool = True) 
                step_replay=[step_s if v in paused else busy.get(v + 1, step_s) for v in range(K)],
                gen_replay=[sum(g * c for g, c in gen_at[v]) / sum(c for _, c in gen_at[v]) if v in gen_at
                            else statistics.mean(gen) for v in range(max(gen_at, default=0) + 1)])
+    if span_gen:  # the engine's own clock leaves out the span's prompt and result handling: rescale
+        scale = span_gen / statistics.mean(gen)
+        p = replace(p, gen_seconds_per_group=[g * scale for g in p.gen_seconds_per_group],
+                    gen_replay=[g * scale for g in p.gen_replay])
     p = replace(p, **traced)
     measured = window_summary(log, skip, B * G)
     measured.update(broadcast_seconds_mean=statistics.mean(bcast) if bcast else 0.0, from_trace=bool(traced))

@@ -1,6 +1,7 @@
 """benchmarks/simulate.py's calibration on four small real
 runs (1 and 2 actors x max_staleness 0 and 4): predicted samples/s within 20% of
-measured, mean staleness within 20% or a quarter of the bound.
+measured, the idle fraction off exactly as the step time, mean staleness within 20% or a
+quarter of the bound.
 
 The real runs are made once per module (each ~15-35 s on the loaded 2-core machine, most
 of it process start-up). Their configuration leaves the actors some margin over the
@@ -54,7 +55,13 @@ def test_calibration_predicts_the_run(real_run):
     assert len(lines) == 1
     out = json.loads(lines[0])
     check(out, eta)
-    assert out["predicted_idle_frac"] == pytest.approx(out["measured_idle_frac"], abs=0.1), out
+    # Measured in the run: the hand-off of a batch's last push to the learner (seen: 1.6-7 ms).
+    assert 0 < out["rates"]["delivery_seconds"] < 0.05, out
+    # The learner's time outside its waits is replayed as measured, so the model's idle
+    # fraction differs from the run's exactly as its step time does: (1 - idle) * interval
+    # is the same on both sides.
+    busy_ratio = (1 - out["predicted_idle_frac"]) / (1 - out["measured_idle_frac"])
+    assert busy_ratio == pytest.approx(out["predicted_samples_per_s"] / out["measured_samples_per_s"], rel=0.05), out
     if eta == 0:
         assert out["measured_idle_frac"] > 0.1  # the synchronous baseline waits for its data
 

@@ -6,6 +6,7 @@ import json
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import load_script
@@ -31,17 +32,17 @@ def window(log: list[dict], skip: int = 10) -> dict:
 
 
 # -- hand-computable cases ---------------------------------------------------------------
-@pytest.mark.parametrize("step_s", [0.015, 0.035])
-def test_synchronous_one_actor_period(step_s):
-    """eta = 0, one actor, one request per batch. After a step the learner gathers and
-    publishes; the actor, polling every 0.02 s since it delivered (at the start of the
-    step), joins at its first poll after the publish, receives, generates B groups; so
-    one step takes B*gen + ceil((step + sync) / poll) * poll + transfer."""
+@pytest.mark.parametrize("step_s, delivery", [(0.015, 0.0), (0.035, 0.0), (0.015, 0.004)])
+def test_synchronous_one_actor_period(step_s, delivery):
+    """eta = 0, one actor, one request per batch. The learner sees the batch `delivery`
+    after the push, steps, gathers and publishes; the actor, polling every 0.02 s since it
+    pushed, joins at its first poll after the publish, receives, generates B groups; so
+    one step takes B*gen + ceil((delivery + step + sync) / poll) * poll + transfer."""
     gen, sync_s, transfer = 0.004, 0.003, 0.001
     log = run_sim(actors=1, groups_per_request=B, max_staleness=0, steps=40, gen_seconds_per_group=[gen],
-                  step_seconds=step_s, sync_seconds=sync_s, broadcast_seconds=transfer)
+                  step_seconds=step_s, sync_seconds=sync_s, broadcast_seconds=transfer, delivery_seconds=delivery)
     poll = model.POLL_SECONDS
-    period = B * gen + math.ceil((step_s + sync_s) / poll) * poll + transfer
+    period = B * gen + math.ceil((delivery + step_s + sync_s) / poll) * poll + transfer
     w = window(log)
     assert w["samples_per_s"] == pytest.approx(B * G / period, rel=1e-9)
     assert w["idle_frac"] == pytest.approx((period - step_s - sync_s) / period, rel=1e-9)
@@ -158,6 +159,25 @@ def test_in_flight_syncs_inside_generate_are_not_counted_twice():
              Span(name="sync", start_s=2.9, dur_s=0.3)]  # overlaps the end
     assert [s.start_s for s in sim._outside_generate(spans, "sync")] == [1.2, 2.9]
     assert sim._outside_generate([Span(name="sync", start_s=0.0, dur_s=1.0)], "sync")[0].dur_s == 1.0
+
+
+def test_delivery_is_from_the_completing_push_to_the_learners_wake():
+    """Per wait of the window: from the start of the last push begun before the learner
+    woke (a push's span may end after it), the median over waits."""
+    from async_rl.run.directory import TraceSpan as Span
+
+    learner = [Span("learner", "train-step", 0.0, 1.0)]
+    actor = []
+    for k, (push_s, woke_s) in enumerate([(1.5, 1.502), (3.5, 3.503), (5.5, 5.510)]):
+        start = 1.0 + 2 * k
+        learner += [Span("learner", "wait-for-data", start, woke_s - start),
+                    Span("learner", "train-step", woke_s, 0.4)]
+        actor += [Span("actor-0", "push", push_s - 0.3, 0.001),  # an earlier push of the batch
+                  Span("actor-0", "push", push_s, 0.005)]  # ends after the learner woke
+    run = SimpleNamespace(spans=lambda prefix: [s for s in learner + actor if s.track.startswith(prefix)])
+    assert sim.delivery_seconds(run, skip=0) == pytest.approx(0.003)
+    assert sim.delivery_seconds(SimpleNamespace(spans=lambda prefix: learner if prefix == "learner" else []),
+                                skip=0) is None
 
 
 def test_pinned_check_speedup_table_matches_hand_values():
