@@ -82,7 +82,8 @@ def trace_rates(run, skip: int) -> dict:
     """From trace.json, over the window: actor seconds per group outside generate,
     wait-for-admission and sync spans; learner seconds from a step's sync to the next
     wait-for-data; the transfer: per version the shortest of the actors' sync spans (its
-    mean, cv and per-version values). {} without a trace."""
+    mean, cv and per-version values); the generate spans' seconds per group (for
+    measure_run to rescale generation with). {} without a trace."""
     learner = sorted(run.spans("learner"), key=lambda s: s.start_s)
     steps = [s for s in learner if s.name == "train-step"]
     syncs = [s for s in run.spans("actor") if s.name == "sync"]
