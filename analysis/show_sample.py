@@ -1,7 +1,7 @@
 """One trained sample of a run, as the conversation it was, checked against the chat
 template: what `metrics.samples_every` wrote to RUN/samples.jsonl (run/samples.py).
 
-    python analysis/show_sample.py RUN [--step N] [--index K] [--no-check]
+    python analysis/show_sample.py RUN [--step N] [--index K] [--no-check]   # or RUN/samples.jsonl
 
 Prints the sample's prompt, then its response cut into turns: the policy's (its
 tokens, the versions that sampled them, their text) and the environment's (the text
@@ -137,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("--no-check", action="store_true")
     args = ap.parse_args(argv)
+    if args.run.is_file() and args.run.name == SAMPLES_FILE:  # RUN/samples.jsonl itself: its run
+        args.run = args.run.parent
+    if not args.run.is_dir():
+        print(f"show_sample: {args.run} is not a run directory (give RUN, which holds {SAMPLES_FILE} and config.yaml)",
+              file=sys.stderr)
+        return 2
     sample = pick(args.run, args.step, args.index)
     from async_rl.models.loading import load_tokenizer
 

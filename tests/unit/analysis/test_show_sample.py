@@ -54,6 +54,14 @@ def test_the_script_skips_damaged_lines_in_one_line_each_and_shows_the_whole_one
     assert "Traceback" not in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 5 and all("; skipped" in line for line in out.stderr.splitlines())
     assert out.stdout.startswith("step 1, prompt 0, sample 0")
+    as_file = subprocess.run([sys.executable, str(ROOT / "analysis/show_sample.py"), str(run / "samples.jsonl")],
+                             capture_output=True, text=True, timeout=120)
+    assert as_file.stdout == out.stdout  # the samples file names its run
+    other = subprocess.run([sys.executable, str(ROOT / "analysis/show_sample.py"), str(run / "config.yaml")],
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode == 2 and other.stderr.strip() == (
+        f"show_sample: {run / 'config.yaml'} is not a run directory "
+        "(give RUN, which holds samples.jsonl and config.yaml)")
     (run / "config.yaml").write_text("model: [\n")
     broken = subprocess.run([sys.executable, str(ROOT / "analysis/show_sample.py"), str(run)], capture_output=True,
                             text=True, timeout=120)
