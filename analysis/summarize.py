@@ -13,11 +13,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from async_rl.run.directory import RunDir
+from async_rl.run.directory import run_dir_for_tool
 
 
 def summarize(run_dir: Path, target: float) -> dict:
-    run = RunDir(run_dir)
+    run = run_dir_for_tool(run_dir)
     cfg = run.config()
     steps, evals = run.steps_and_evals()
     if not steps or not evals:

@@ -314,10 +314,15 @@ class Run:
         return staleness_counts(self.steps)
 
 
-def load_run(path: str | Path) -> Run:
+def run_dir_for_tool(path: str | Path) -> RunDir:
     """A run directory for a command-line tool: one that has no metrics.jsonl ends the
     program with a one-line message."""
     run = RunDir(path)
     if not run.metrics_path.exists():
         raise SystemExit(f"{run.path}: not a run directory (no {METRICS_FILE})")
-    return run.load()
+    return run
+
+
+def load_run(path: str | Path) -> Run:
+    """run_dir_for_tool, loaded."""
+    return run_dir_for_tool(path).load()
