@@ -82,8 +82,8 @@ def trace_rates(run, skip: int) -> dict:
     """From trace.json, over the window: actor seconds per group outside generate,
     wait-for-admission and sync spans; learner seconds from a step's sync to the next
     wait-for-data; the transfer: per version the shortest of the actors' sync spans (its
-    mean, cv and per-version values); the generate spans' seconds per group (for
-    measure_run to rescale generation with). {} without a trace."""
+    mean, cv and per-version values); delivery_seconds; the generate spans' seconds per
+    group (for measure_run to rescale generation with). {} without a trace."""
     learner = sorted(run.spans("learner"), key=lambda s: s.start_s)
     steps = [s for s in learner if s.name == "train-step"]
     syncs = [s for s in run.spans("actor") if s.name == "sync"]
@@ -112,7 +112,8 @@ def trace_rates(run, skip: int) -> dict:
     return {"overhead_seconds_per_group": max(0.0, other / groups) if groups else 0.0,
             "log_seconds": max(0.0, statistics.mean(gaps)) if gaps else 0.0,
             "broadcast_seconds": statistics.mean(durations), "broadcast_cv": _cv(durations),
-            "sync_replay": transfer, "generate_span_seconds_per_group": generating / groups if groups else None}
+            "sync_replay": transfer, "delivery_seconds": delivery_seconds(run, skip) or 0.0,
+            "generate_span_seconds_per_group": generating / groups if groups else None}
 
 
 def delivery_seconds(run, skip: int) -> float | None:
@@ -146,8 +147,6 @@ def measure_run(run_dir: Path, skip: int | None = None, use_trace: bool = True) 
     paused = {v for v in range(1, K) if (ev and v % ev == 0) or (ck and v % ck == 0)}
     traced = trace_rates(run, skip) if use_trace else {}
     span_gen = traced.pop("generate_span_seconds_per_group", None)
-    if traced and (delivery := delivery_seconds(run, skip)) is not None:
-        traced["delivery_seconds"] = delivery
     log, busy, gen_at = [], {}, {}
     for s in steps:
         interval = B * G / s["throughput/samples_per_s"]
